@@ -159,6 +159,35 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+_HUB_REACHABLE: bool | None = None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP probe of the Hugging Face endpoint (cached). When it fails, the hub libraries are put
+    in offline mode so that a missing model or dataset fails at once instead of after minutes of retries."""
+    global _HUB_REACHABLE
+    if _HUB_REACHABLE is None:
+        import socket
+        from urllib.parse import urlparse
+
+        endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+            _HUB_REACHABLE = True
+        except OSError:
+            _HUB_REACHABLE = False
+            import huggingface_hub.constants
+
+            huggingface_hub.constants.HF_HUB_OFFLINE = True
+            try:
+                import datasets.config
+
+                datasets.config.HF_HUB_OFFLINE = True
+            except ImportError:
+                pass
+    return _HUB_REACHABLE
+
+
 def _hub_error(name: str, exc: Exception) -> UserError:
     text = f"{type(exc).__name__}: {exc}"
     if "RepositoryNotFound" in text or "404" in text or "is not a valid model identifier" in text:
@@ -177,7 +206,7 @@ def load_tokenizer(name: str):
         try:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception:
-            if os.path.isdir(path):
+            if os.path.isdir(path) or not hub_reachable():
                 raise
             tok = AutoTokenizer.from_pretrained(path)
     except UserError:
@@ -200,7 +229,7 @@ def load_model(name: str, device: torch.device, gradient_checkpointing: bool = F
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         except Exception:
-            if os.path.isdir(path):
+            if os.path.isdir(path) or not hub_reachable():
                 raise
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except UserError:
@@ -368,11 +397,13 @@ def _load_rows(path: str, config: str | None, split: str | None):
                         "a hub id (owner/name) or a local .jsonl/.json/.parquet file")
     import datasets
 
+    reachable = hub_reachable()
     try:
         ds = datasets.load_dataset(path, config, split=split or "train")
     except Exception as exc:  # no network, unknown id, wrong split
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from the hub: {text}. "
+        where = "the hub" if reachable else "the local cache (the hub is unreachable)"
+        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
                         "Without network, pass a local .jsonl/.json/.parquet file") from None
     return list(ds)
 
@@ -404,11 +435,24 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
 
 
 def load_task(name: str, split: str, seed: int = 0, question_field: str | None = None,
-              answer_field: str | None = None, holdout: int = 200) -> Task:
+              answer_field: str | None = None, holdout: int = 200, reward: str = "auto") -> Task:
     """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
 
     Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
-    "eval" that "train" never sees."""
+    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind."""
+    if reward not in ("auto", "arith", "math", "code"):
+        raise UserError(f"--reward must be auto, arith, math or code, not {reward!r}")
+    task = _load_task(name, split, seed, question_field, answer_field, holdout)
+    if reward != "auto" and reward != task.kind:
+        if (reward == "code") != (task.kind == "code"):
+            raise UserError(f"--reward {reward} does not fit dataset {name} (its problems are {task.kind} problems)")
+        task.kind = reward
+        task.instruction = {"math": MATH_INSTRUCTION, "arith": ARITH_INSTRUCTION}[reward]
+    return task
+
+
+def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None,
+               holdout: int) -> Task:
     if name == "arith":
         test = arith_problems(holdout, seed=10_000 + seed)
         if split == "eval":
@@ -973,7 +1017,12 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
 def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples: int, temperature: float,
              max_new_tokens: int, ks: Sequence[int], seed: int | None = None) -> tuple[dict, list[dict]]:
     """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
-    rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
+    # own RNG stream: the same eval samples before and after training, and training's stream is untouched
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
     problems = [p for p in task.problems for _ in range(n_samples)]
     rewards = compute_rewards(task, problems, rollout.texts)
     correct = (rewards >= 1.0).view(len(task.problems), n_samples)

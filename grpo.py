@@ -40,6 +40,7 @@ class Args:
     eval_dataset: str = arg("", "dataset for evaluation (default: held-out split of --dataset)")
     question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
     answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code")
     system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
     engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
     seed: int = arg(1, "random seed")
@@ -140,8 +141,10 @@ def main(args: Args) -> None:
     if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
         raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field)
-    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field)
+    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                 reward=args.reward)
+    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field,
+                                 reward=args.reward)
     if args.eval_limit:
         eval_task.problems = eval_task.problems[:args.eval_limit]
     tokenizer = common.load_tokenizer(resume_ckpt or args.model)
