@@ -54,8 +54,7 @@ def _num_cores() -> int:
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _BRACE_RE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped char (\{, \}, \\) or a brace
-_FENCE_RE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.DOTALL | re.MULTILINE)
-_OPEN_FENCE_RE = re.compile(r"^[ \t]*```[^\n]*\n", re.MULTILINE)
+_FENCE_RE = re.compile(r"^[ \t]*```[^\n]*(?:\n|\Z)", re.MULTILINE)  # a line opening or closing a block
 
 
 def extract_boxed(text: str) -> str | None:
@@ -83,24 +82,17 @@ def extract_boxed(text: str) -> str | None:
 
 
 def extract_code(text: str) -> str:
-    """The last fenced code block (```lang ... ```), else the code after an unclosed final fence
-    (a truncated generation), else the text itself, unchanged (HumanEval completions are bare
-    function bodies whose indentation matters)."""
+    """The last fenced code block (```lang ... ```); the code after the last fence if that block is
+    never closed (a truncated generation); else the text itself, unchanged (HumanEval completions
+    are bare function bodies whose indentation matters)."""
     if not isinstance(text, str):
         return ""
-    blocks = _FENCE_RE.findall(text)
-    last_open = None
-    for last_open in _OPEN_FENCE_RE.finditer(text):
-        pass
-    if blocks:
-        # An opening fence after the last complete block starts a truncated block.
-        last_block_end = text.rfind("```")
-        if last_open is not None and last_open.start() >= last_block_end - 3 and text.count("```") % 2 == 1:
-            return text[last_open.end() :]
-        return blocks[-1]
-    if last_open is not None:
-        return text[last_open.end() :]
-    return text
+    fences = list(_FENCE_RE.finditer(text))
+    if not fences:
+        return text
+    if len(fences) % 2 == 1:
+        return text[fences[-1].end() :]
+    return text[fences[-2].end() : fences[-1].start()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,18 +174,16 @@ def _gold_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-def _math_verify_pair(gold_latex: str, pred_latex: str, alarms: bool = True) -> bool:
+def _math_verify_pair(gold_latex: str, pred_latex: str) -> bool:
     """math-verify: gold first, boxed-only extraction of the prediction, no string fallbacks.
-    With alarms=True it must run in a main thread (math-verify's timeouts use SIGALRM)."""
+    Runs in a worker's main thread: math-verify's timeouts use SIGALRM."""
     from math_verify import LatexExtractionConfig, parse, verify
 
-    parse_s = _MATH_PARSE_ALARM_S if alarms else None
-    verify_s = _MATH_VERIFY_ALARM_S if alarms else None
     gold = parse(
         gold_latex,
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
         fallback_mode="no_fallback",
-        parsing_timeout=parse_s,
+        parsing_timeout=_MATH_PARSE_ALARM_S,
     )
     if not gold:
         return False
@@ -202,11 +192,11 @@ def _math_verify_pair(gold_latex: str, pred_latex: str, alarms: bool = True) -> 
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)],
         fallback_mode="no_fallback",
         extraction_mode="first_match",
-        parsing_timeout=parse_s,
+        parsing_timeout=_MATH_PARSE_ALARM_S,
     )
     if not pred:
         return False
-    return bool(verify(gold, pred, timeout_seconds=verify_s))
+    return bool(verify(gold, pred, timeout_seconds=_MATH_VERIFY_ALARM_S))
 
 
 def _math_worker_main() -> None:
@@ -214,7 +204,7 @@ def _math_worker_main() -> None:
     `id 0|1` line back. Exits at end of input (the parent closed the pipe or died)."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     if hard == resource.RLIM_INFINITY or hard > _MATH_WORKER_MEMORY:
         resource.setrlimit(resource.RLIMIT_AS, (_MATH_WORKER_MEMORY, _MATH_WORKER_MEMORY))
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
@@ -223,13 +213,14 @@ def _math_worker_main() -> None:
     logging.disable(logging.CRITICAL)
     import math_verify  # noqa: F401 - import before the first request
 
+    replies.write(b"ready\n")
     for line in sys.stdin.buffer:
         try:
             request_id, gold, pred = json.loads(line)
         except ValueError:
             continue
         try:
-            ok = _math_verify_pair(gold, pred, alarms=True)
+            ok = _math_verify_pair(gold, pred)
         except BaseException:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
             ok = False
         replies.write(f"{request_id} {int(ok)}\n".encode())
@@ -237,6 +228,8 @@ def _math_worker_main() -> None:
 
 class _MathWorker:
     """Handle on one worker process; used by one thread at a time."""
+
+    STARTUP_TIMEOUT_S = 120.0  # importing sympy and math-verify, on a busy machine
 
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
@@ -250,15 +243,11 @@ class _MathWorker:
         )
         self.pending = b""
         self.request_id = 0
+        self.ready = False
 
-    def ask(self, gold_latex: str, pred_latex: str, timeout: float) -> bool:
-        """Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
-        self.request_id += 1
-        data = (json.dumps([self.request_id, gold_latex, pred_latex]) + "\n").encode()
-        stdin_fd, stdout_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
-        while data:
-            data = data[os.write(stdin_fd, data) :]
+    def _read_line(self, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
+        stdout_fd = self.proc.stdout.fileno()
         poller = select.poll()
         poller.register(stdout_fd, select.POLLIN)
         while b"\n" not in self.pending:
@@ -270,7 +259,19 @@ class _MathWorker:
                 raise EOFError("math worker exited")
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
-        reply_id, verdict = line.split()
+        return line
+
+    def ask(self, gold_latex: str, pred_latex: str, timeout: float) -> bool:
+        """Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
+        if not self.ready:
+            if self._read_line(self.STARTUP_TIMEOUT_S) != b"ready":
+                raise OSError("math worker did not start")
+            self.ready = True
+        self.request_id += 1
+        data = (json.dumps([self.request_id, gold_latex, pred_latex]) + "\n").encode()
+        while data:
+            data = data[os.write(self.proc.stdin.fileno(), data) :]
+        reply_id, verdict = self._read_line(timeout).split()
         if int(reply_id) != self.request_id:
             raise OSError("math worker out of sync")
         return verdict == b"1"
@@ -290,16 +291,13 @@ class _MathWorker:
                 pass
 
 
-_math_pool: list[_MathWorker] = []
+_math_pool: list[_MathWorker] = []  # idle workers
 _math_pool_lock = threading.Lock()
-_math_pool_pid = os.getpid()
+_math_slots = threading.BoundedSemaphore(_num_cores())  # at most one busy worker per core
 
 
 def _borrow_math_worker() -> _MathWorker:
-    global _math_pool, _math_pool_pid
     with _math_pool_lock:
-        if _math_pool_pid != os.getpid():  # forked: the inherited workers belong to the parent
-            _math_pool, _math_pool_pid = [], os.getpid()
         if _math_pool:
             return _math_pool.pop()
     return _MathWorker()
@@ -307,7 +305,7 @@ def _borrow_math_worker() -> _MathWorker:
 
 def _return_math_worker(worker: _MathWorker) -> None:
     with _math_pool_lock:
-        if worker.owner_pid == os.getpid() and len(_math_pool) < 4 * _num_cores():
+        if worker.owner_pid == os.getpid() and len(_math_pool) < _num_cores():
             _math_pool.append(worker)
             return
     worker.close()
@@ -316,10 +314,18 @@ def _return_math_worker(worker: _MathWorker) -> None:
 def close_math_workers() -> None:
     """Stop the idle math worker processes (also done at exit)."""
     with _math_pool_lock:
-        workers = _math_pool[:] if _math_pool_pid == os.getpid() else []
+        workers = _math_pool[:]
         _math_pool.clear()
     for worker in workers:
         worker.close()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child starts with no workers and free slots (the inherited ones are the parent's)."""
+    global _math_pool, _math_pool_lock, _math_slots, _sandbox_slots
+    _math_pool, _math_pool_lock = [], threading.Lock()
+    _math_slots = threading.BoundedSemaphore(_num_cores())
+    _sandbox_slots = threading.BoundedSemaphore(_num_cores())
 
 
 atexit.register(close_math_workers)
@@ -342,7 +348,8 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
     Bounded: a box longer than 1000 characters or shaped like an exploding number (numeric power
     tower, 7-digit exponent, 6-digit factorial) scores 0.0 at once; everything else runs in a worker
     process with math-verify's alarms (1 s per parse, 2 s per verify) and a hard `timeout` after
-    which the worker is killed and replaced. Safe from any thread or process; never raises."""
+    which the worker is killed and replaced. At most one worker per core is busy at a time (other
+    callers wait); `timeout` counts from the request. Safe from any thread or process; never raises."""
     worker = None
     try:
         if not isinstance(completion, str) or answer is None:
@@ -354,14 +361,17 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
         if len(content) > _MAX_ANSWER_CHARS or _EXPLOSIVE_RE.search(content):
             return 0.0
         gold = _gold_latex(answer)
-        if gold != answer.strip() or answer.strip().startswith("\\boxed"):
-            if _squash(content) == _squash(extract_boxed(gold) or ""):
-                return 1.0
-        worker = _borrow_math_worker()
-        ok = worker.ask(gold, "\\boxed{" + content + "}", timeout)
-        _return_math_worker(worker)
-        worker = None
+        if gold != answer.strip() and _squash(content) == _squash(answer):
+            return 1.0  # the prediction is written exactly as the (bare) gold
+        with _math_slots:
+            worker = _borrow_math_worker()
+            ok = worker.ask(gold, "\\boxed{" + content + "}", timeout)
+            _return_math_worker(worker)
+            worker = None
         return 1.0 if ok else 0.0
+    except TimeoutError:
+        log.info("math_reward timed out after %.1f s, scored 0.0; worker replaced", timeout)
+        return 0.0
     except (EOFError, OSError) as exc:
         log.warning("math worker failed, scored 0.0: %r", exc)
         return 0.0
@@ -546,7 +556,8 @@ class SandboxResult:
 
 _sandbox_mode: str | None = None
 _sandbox_mode_lock = threading.Lock()
-_sandbox_slots = threading.BoundedSemaphore(_num_cores())
+_sandbox_slots = threading.BoundedSemaphore(_num_cores())  # at most one sandbox per core
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def sandbox_mode() -> str:
@@ -611,18 +622,22 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
         time.sleep(0.005)
 
 
-def _marked_pids(marker: bytes) -> list[int]:
-    """PIDs of live processes whose initial environment holds `marker` (NAME=value)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if marker in f.read().split(b"\0"):
-                        pids.append(int(name))
-            except OSError:
-                pass
-    return pids
+def _marked_pids(marker: bytes, pids: list[int] | None = None) -> list[int]:
+    """PIDs (of `pids`, default all) of live processes whose initial environment holds `marker`."""
+    if pids is None:
+        try:
+            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        except OSError:
+            return []
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
 
 
 def _kill_marked(run_id: str, wait_s: float = 3.0) -> None:
@@ -639,7 +654,7 @@ def _kill_marked(run_id: str, wait_s: float = 3.0) -> None:
             try:
                 if pidfd is None:
                     os.kill(pid, signal.SIGKILL)
-                elif pid in _marked_pids_of([pid], marker):
+                elif _marked_pids(marker, [pid]):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             except OSError:
                 pass
@@ -647,18 +662,6 @@ def _kill_marked(run_id: str, wait_s: float = 3.0) -> None:
                 if pidfd is not None:
                     os.close(pidfd)
         time.sleep(0.01)
-
-
-def _marked_pids_of(pids: list[int], marker: bytes) -> list[int]:
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read().split(b"\0"):
-                    found.append(pid)
-        except OSError:
-            pass
-    return found
 
 
 def _read_available(fd: int, limit: int) -> bytes:
@@ -858,3 +861,47 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _benchmark() -> None:
+    """Throughput of the rewards on this machine: `python verifiers.py`."""
+    import random
+
+    rng = random.Random(0)
+    reasoning = "Let us compute step by step. " * 30
+    golds = [str(rng.randint(-999, 999)) for _ in range(400)]
+    preds = [g if i % 2 else str(int(g) + 1) for i, g in enumerate(golds)]
+    math_pairs = [(f"{reasoning} So the answer is $\\boxed{{{p}.0}}$.", g) for p, g in zip(preds, golds)]
+    math_pairs += [
+        (f"{reasoning} Hence $\\boxed{{\\frac{{{2 * int(p)}}}{{4}}}}$.", f"{g}/2") for p, g in zip(preds, golds)
+    ]
+    math_reward(*math_pairs[0])  # start a worker
+    start = time.perf_counter()
+    serial = [math_reward(c, a) for c, a in math_pairs]
+    serial_s = time.perf_counter() - start
+    start = time.perf_counter()
+    batch = math_rewards_batch([c for c, _ in math_pairs], [a for _, a in math_pairs])
+    batch_s = time.perf_counter() - start
+    assert serial == batch and sum(serial) == len(math_pairs) / 2, "benchmark answers misjudged"
+    print(f"math_reward: {len(math_pairs) / serial_s:.0f} calls/s serial (one worker), "
+          f"{len(math_pairs) / batch_s:.0f} calls/s math_rewards_batch ({_num_cores()} workers)")
+    start = time.perf_counter()
+    for c, a in math_pairs * 5:
+        arith_reward(c, a)
+    print(f"arith_reward: {5 * len(math_pairs) / (time.perf_counter() - start):.0f} calls/s")
+    problems = load_humaneval()
+    solutions = [p["canonical_solution"] for p in problems]
+    start = time.perf_counter()
+    serial_code = [code_reward(s, p) for s, p in zip(solutions[:40], problems[:40])]
+    serial_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rewards = code_rewards_batch(solutions, problems)
+    batch_s = time.perf_counter() - start
+    assert all(r == 1.0 for r in serial_code + rewards), "a HumanEval canonical solution failed"
+    print(f"code_reward ({sandbox_mode()} sandbox): {40 / serial_s:.1f} calls/s serial, "
+          f"{len(problems) / batch_s:.1f} calls/s code_rewards_batch ({_num_cores()} at a time); "
+          f"164 HumanEval canonical solutions in {batch_s:.1f} s")
+
+
+if __name__ == "__main__":
+    _benchmark()

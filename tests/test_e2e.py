@@ -20,6 +20,24 @@ TRAIN_KEYS = ["step", "update", "wall_s", "rollout/reward_mean", "rollout/reward
 EVAL_KEYS = ["eval/pass@1", "eval/pass@2", "eval/n_samples", "eval/temperature"]
 
 
+def method_overrides(method: str) -> dict:
+    """A method whose toy run needs other settings (e.g. Mu-GRPO's stage sizes) declares them as
+    `E2E_OVERRIDES = {field: value}` in tests/test_<method>.py."""
+    try:
+        return dict(importlib.import_module(f"tests.test_{method}").E2E_OVERRIDES)
+    except (ImportError, AttributeError):
+        return {}
+
+
+def override_flags(method: str) -> list[str]:
+    flags = []
+    for key, value in method_overrides(method).items():
+        if key == "total_steps":  # only the learning test takes it
+            continue
+        flags += [f"--{key.replace('_', '-')}"] + ([str(v) for v in value] if isinstance(value, list) else [str(value)])
+    return flags
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """Tiny random chat model + a task it solves now and then by chance: answer '2' (last number wins)."""
@@ -50,7 +68,7 @@ def run_script(method, flags, timeout=300):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
-    proc = run_script(method, common_flags(toy, tmp_path, "smoke", 2))
+    proc = run_script(method, common_flags(toy, tmp_path, "smoke", 2) + override_flags(method))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(tmp_path / "smoke")
     train_rows = [r for r in rows if "rollout/reward_mean" in r]
@@ -67,9 +85,12 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
 
 def _run_in_process(method, toy, out, run_name, steps, **overrides):
     mod = importlib.import_module(method)
-    args = mod.Args(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=4,
+    settings = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=4,
                     num_generations=8, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, eval_limit=2,
-                    eval_samples=2, eval_k=[2], output_dir=str(out), run_name=run_name, **overrides)
+                    eval_samples=2, eval_k=[2], output_dir=str(out), run_name=run_name)
+    settings.update({k: v for k, v in method_overrides(method).items() if k != "total_steps"})
+    settings.update(overrides)
+    args = mod.Args(**settings)
     mod.main(args)
     return read_rows(os.path.join(out, run_name))
 
@@ -80,7 +101,8 @@ def _reward_curve(rows):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_learning_raises_reward(method, toy, tmp_path):
-    curve = _reward_curve(_run_in_process(method, toy, tmp_path, "learn", 30))
+    steps = method_overrides(method).pop("total_steps", 30)
+    curve = _reward_curve(_run_in_process(method, toy, tmp_path, "learn", steps))
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     # chance level is ~0.05; a sign error in the loss drives it to 0 (checked below for grpo)
     assert last >= 0.35 and last > first + 0.2, curve
@@ -99,12 +121,7 @@ def test_learning_test_fails_with_a_sign_error(toy, tmp_path, monkeypatch):
 def test_resume_reproduces_uninterrupted_run(method, toy, tmp_path):
     full = _run_in_process(method, toy, tmp_path, "full", 4, save_every=2)
     _run_in_process(method, toy, tmp_path, "part", 2, save_every=2)
-    mod = importlib.import_module(method)
-    mod.main(mod.Args(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=4, prompts_per_step=4,
-                      num_generations=8, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, eval_limit=2,
-                      eval_samples=2, eval_k=[2], output_dir=str(tmp_path), save_every=2,
-                      resume=str(tmp_path / "part")))
-    resumed = read_rows(tmp_path / "part")
+    resumed = _run_in_process(method, toy, tmp_path, "part", 4, save_every=2, resume=str(tmp_path / "part"))
 
     def training(rows):
         return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
