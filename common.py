@@ -40,6 +40,10 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit code 2."""
 
 
+class RunError(Exception):
+    """A run that cannot go on (non-finite gradients, a sandbox that will not start); one line, exit code 1."""
+
+
 def run_cli(main: Callable, args_cls: type) -> None:
     """Parse `args_cls` from the command line and run `main(args)`; user errors and OOM become one line."""
     try:
@@ -47,6 +51,9 @@ def run_cli(main: Callable, args_cls: type) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except torch.OutOfMemoryError:
         print("error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
               "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
@@ -287,17 +294,18 @@ def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
     if tier == 0:  # one-digit sums
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         return f"What is {a} + {b}?", a + b
-    if tier == 1:  # two-digit sums
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return f"What is {a} + {b}?", a + b
-    if tier == 2:  # two-digit differences (may be negative)
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+    if tier == 1:  # one-digit differences, non-negative
+        a = rng.randint(2, 9)
+        b = rng.randint(1, a)
         return f"What is {a} - {b}?", a - b
-    if tier == 3:  # small products
-        a, b = rng.randint(2, 9), rng.randint(2, 19)
+    if tier == 2:  # one-digit products
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
         return f"What is {a} * {b}?", a * b
-    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(1, 9)  # three terms
-    return f"What is {a} + {b} + {c}?", a + b + c
+    if tier == 3:  # two-digit plus one-digit
+        a, b = rng.randint(10, 49), rng.randint(1, 9)
+        return f"What is {a} + {b}?", a + b
+    a, b = rng.randint(10, 99), rng.randint(10, 99)  # two-digit sums
+    return f"What is {a} + {b}?", a + b
 
 
 ARITH_TIERS = 5
@@ -541,7 +549,7 @@ def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[
             for i, v in zip(failed, retry):
                 values[i] = v
             if any(v is None for v in values):
-                raise RuntimeError("the code sandbox failed to start twice for some completions; "
+                raise RunError("the code sandbox failed to start twice for some completions; "
                                    "check ulimits / free memory (no reward was invented)")
     return torch.tensor(values, dtype=torch.float32)
 

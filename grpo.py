@@ -44,7 +44,7 @@ class Args:
     system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
     engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
     seed: int = arg(1, "random seed")
-    total_steps: int = arg(14, "number of steps (rollout batches)")
+    total_steps: int = arg(12, "number of steps (rollout batches)")
     prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
     num_generations: int = arg(8, "rollouts per prompt (G)")
     max_new_tokens: int = arg(32, "maximum completion length")
@@ -259,7 +259,7 @@ def main(args: Args) -> None:
                     sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 if not torch.isfinite(grad_norm):
-                    raise RuntimeError(f"non-finite gradient norm at step {step} (update {update + 1}); "
+                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
                                        "lower --learning-rate or check the data; the last checkpoint is intact")
                 optimizer.step()
                 scheduler.step()
