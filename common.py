@@ -422,7 +422,9 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
         for row in rows:
             prob = dict(row)
             if "test_list" in prob or "entry_point" in prob or ("inputs" in prob and "outputs" in prob):
-                prob["question"] = str(row.get(q_field, row.get("prompt", "")))
+                prob["question"] = str(row.get(q_field) or row.get("text") or row.get("prompt") or "")
+                if "test_list" in prob and "entry_point" not in prob:  # MBPP: the tests name the function
+                    prob["question"] += "\nYour code should pass these tests:\n" + "\n".join(prob["test_list"])
                 problems.append(prob)
             else:
                 raise UserError(f"code dataset {source} rows need HumanEval fields (prompt, test, entry_point), "
@@ -468,6 +470,9 @@ def _load_task(name: str, split: str, seed: int, question_field: str | None, ans
         train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in test})
         return Task("arith", "arith", train, ARITH_INSTRUCTION)
     if name == "humaneval":
+        if split == "train":
+            raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass "
+                            "--eval-dataset humaneval")
         problems = [dict(p, question=p["prompt"]) for p in verifiers.load_humaneval()]
         return Task("humaneval", "code", problems, CODE_INSTRUCTION)
     if name in HUB_DATASETS:

@@ -174,3 +174,23 @@ def test_bad_input_one_clear_line(flags, needle, toy, tmp_path):
     assert "Traceback" not in proc.stderr
     if needle == "has no field 'question'":
         assert "'prompt'" in err_lines[0] and "'solution'" in err_lines[0]  # lists the fields it has
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_eval_only_writes_eval_rows_and_per_sample_correctness(method, toy, tmp_path):
+    flags = ["--model", toy["model"], "--eval-dataset", toy["data"], "--reward", "arith", "--eval-only",
+             "--eval-limit", "3", "--eval-samples", "4", "--eval-k", "2", "4", "--output-dir", str(tmp_path),
+             "--run-name", "ev"]
+    proc = run_script(method, flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_rows(tmp_path / "ev")
+    assert len(rows) == 1 and rows[0]["eval/n_samples"] == 4 and rows[0]["eval/n_problems"] == 3
+    assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= rows[0].keys()
+    with open(tmp_path / "ev" / "eval_correctness_step0.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 12
+    # pass@1 is the mean correctness; pass@4 (k = n) is the share of problems with any correct sample
+    assert rows[0]["eval/pass@1"] == pytest.approx(sum(r["correct"] for r in records) / 12)
+    solved = {r["problem"] for r in records if r["correct"]}
+    assert rows[0]["eval/pass@4"] == pytest.approx(len(solved) / 3)
+    assert "eval-only" in proc.stdout and "pass@4" in proc.stdout
