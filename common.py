@@ -891,7 +891,7 @@ def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     return logp, entropy
 
 
-def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 1024,
+def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
 
@@ -951,7 +951,7 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int
 
 @torch.no_grad()
 def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
-                token_budget: int, chunk_tokens: int = 1024) -> torch.Tensor:
+                token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
     """No-grad per-token log-probs (len(rows), T_max) for `rows` of the rollout, in micro-batches."""
     T = max(1, max(len(rollout.completion_ids[r]) for r in rows))
     out = torch.zeros((len(rows), T), dtype=torch.float32)
