@@ -58,7 +58,8 @@ def test_stripping_rules_on_a_sample(tmp_path):
     sample.write_text('"""doc"""\nimport a\n\nclass Args:\n    x: int = 1\n    # X specific arguments\n    y: int = 2\n\n'
                       "# ALGO LOGIC: f\ndef f():\n    return 1\n\n\ndef main(args):\n    a = 1\n    # ALGO LOGIC: adv\n"
                       "    b = 2\n    # TRY NOT TO MODIFY: rest\n    c = 3  # ALGO LOGIC\n    d = 4\n")
-    assert template_lines(str(sample)) == ["import a", "", "class Args:", "    x: int = 1", "", "def main(args):",
+    # blank lines inside a stripped block go with it
+    assert template_lines(str(sample)) == ["import a", "", "class Args:", "    x: int = 1", "def main(args):",
                                            "    a = 1", "    # TRY NOT TO MODIFY: rest", "    d = 4"]
 
 
