@@ -1,0 +1,419 @@
+"""Mu-GRPO (M. Tian, Y. Xie, C. Wei, "How Off-Policy Can GRPO Be?", arXiv:2605.17570) -- a few huge
+generation/optimization stages with relaxed clipping and the negative-advantage veto. Relative to grpo.py:
+  1. Stages. A stage is grpo.py's step with a huge batch: --total-steps = number of stages, --updates-per-batch =
+     mu, --prompts-per-step = mu x prompts per update. The policy is frozen, the whole stage is generated in one go
+     (the engine chunks it behind a progress bar, then sleeps and frees its memory), behaviour log-probs and
+     advantages are computed once for the stage and stored, then the mu updates each take the next group-shuffled
+     slice of the stage (one pass). This file re-declares only the defaults of those three flags (below
+     `# MUGRPO specific arguments`): 3 stages x mu 8 x 4 prompts per update = grpo.py's default budget (24
+     updates, 768 rollouts, 4 prompts per update) cut into 3 engine/trainer switches instead of 12.
+  2. Behaviour log-probs: a trainer forward pass under the stage-start weights (default; the first update reuses
+     its own first forward pass, as grpo.py does) or the engine's sampling log-probs (--behav-logp engine).
+  3. Advantages A_i = (r_i - mean_g r) / (std_g r + 1e-6), computed once at generation time.
+  4. Relaxed clip [1 - eps_low, 1 + eps_high] = [0, 5] (eps_low 1, eps_high 4): a negative-advantage token is
+     never clipped.
+  5. Negative-advantage veto, recomputed at every update from the current log-probs: in a response with A_i < 0 a
+     trigger is a token with log rho_it < log delta (log space, never exponentiated first); kappa_i = first
+     trigger; --veto-scope none | trigger | suffix | suffix_nontrigger (default, the paper's H_kappa) | sequence.
+  6. Loss: token-level clipped surrogate times the keep mask, token-mean over the mini-batch's completion tokens
+     counted BEFORE the veto (the veto removes gradient, it does not re-weight the rest).
+
+Objective per update (mini-batch b of the stage, rho_it = pi_theta(o_it | q, o_i<t) / pi_behav(o_it | q, o_i<t)):
+    J(theta) = 1 / (sum_{i in b} |o_i|) * sum_{i in b} sum_t keep_it * min(rho_it A_i, clip(rho_it, 1-eps_low, 1+eps_high) A_i)
+    keep_it = 0  iff  A_i < 0 and t in H_kappa_i = {t > kappa_i : log rho_it >= log delta}   (scope suffix_nontrigger)
+
+Readings (ours): delta = 1e-4 (--veto-delta; the project page's example); the pre-veto denominator; unbiased group
+std; 64 prompts per update in the paper-scale line. Where mugrpo.md is silent we chose: keep = 0 on padding (keep is a
+subset of mask); mugrpo/vetoed_token_frac is over all completion tokens of the mini-batch; --prompts-per-step must
+be a multiple of --updates-per-batch; engine wake (incl. the weight push) and sleep are timed separately inside
+perf/sync_s as perf/wake_s and perf/sleep_s.
+
+Run:
+  python mugrpo.py                                 # CPU default: Mu-GRPO, 3 stages x mu 8, embedded SmolLM2-135M on `arith`
+  python mugrpo.py --total-steps 6 --prompts-per-step 16 --updates-per-batch 4 \\
+      --clip-low 0.2 --clip-high 0.2 --veto-scope none                      # standard GRPO (mu = 4), same budget
+  python mugrpo.py --clip-low 0.2 --clip-high 0.2 --veto-scope none         # naive high staleness (mu 8, tight clip)
+  python mugrpo.py --model Qwen/Qwen2.5-Math-1.5B --dataset dapo17k --eval-dataset math500 --total-steps 4 \\
+      --updates-per-batch 1024 --prompts-per-step 65536 --num-generations 8 --max-new-tokens 3072 \\
+      --learning-rate 1e-6 --gradient-checkpointing                         # GPU + vLLM, paper scale (4 x 1024)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+import common
+from common import arg
+
+
+@dataclass
+class Args:
+    # common arguments (identical in grpo.py, gapo.py, mugrpo.py, codapo.py)
+    exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
+    model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
+    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
+    eval_dataset: str = arg("", "dataset for evaluation (default: held-out split of --dataset)")
+    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
+    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code")
+    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
+    engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
+    seed: int = arg(1, "random seed")
+    total_steps: int = arg(12, "number of steps (rollout batches)")
+    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
+    num_generations: int = arg(8, "rollouts per prompt (G)")
+    max_new_tokens: int = arg(32, "maximum completion length")
+    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
+    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
+    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    micro_batch_tokens: int = arg(4096, "token budget (rows x padded length) of one forward/backward micro-batch")
+    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
+    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
+    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
+    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
+    eval_samples: int = arg(4, "samples per evaluation problem (n)")
+    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
+    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
+    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
+    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
+    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
+    output_dir: str = arg("runs", "parent folder of run folders")
+    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
+    track: bool = arg(False, "log to Weights & Biases")
+    wandb_project: str = arg("rlvr-reference", "W&B project")
+    # MUGRPO specific arguments
+    total_steps: int = arg(3, "number of stages (Mu-GRPO: a stage is one step with a huge batch; paper: 4)")
+    prompts_per_step: int = arg(32, "prompts per stage = mu x prompts per update (a multiple of --updates-per-batch)")
+    updates_per_batch: int = arg(8, "mu: optimizer updates per stage, one pass over its group-shuffled prompts "
+                                    "(paper: 1024; standard GRPO: 4)")
+    clip_low: float = arg(1.0, "eps_low: lower clip bound 1 - eps_low (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
+    clip_high: float = arg(4.0, "eps_high: upper clip bound 1 + eps_high (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
+    veto_scope: str = arg("suffix_nontrigger", "negative-advantage veto: none, trigger, suffix, suffix_nontrigger "
+                                               "(the paper's H_kappa), sequence")
+    veto_delta: float = arg(1e-4, "delta: a token of an A<0 response triggers when pi/pi_behav < delta "
+                                  "(tested as log-ratio < log delta; reading: the project page's 1e-4)")
+    behav_logp: str = arg("trainer", "behaviour log-probs: trainer (forward pass under the stage-start weights) "
+                                     "or engine (the rollout engine's sampling log-probs)")
+
+
+# ALGO LOGIC: advantages
+def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """rewards (B,) -> advantages (B,), computed once per stage; rows [g*G:(g+1)*G] are the G rollouts of prompt g."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # A_i = r_i - mean_g(r)
+    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centered[:, :1])  # unbiased (N-1)
+    return (centered / (std + eps)).reshape(-1)  # mugrpo.md: std + 1e-6; an all-equal group gives A = 0 exactly
+
+
+# ALGO LOGIC: policy loss
+def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        eps_low: float = 1.0, eps_high: float = 4.0, keep: torch.Tensor | None = None,
+                        ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Relaxed clipped surrogate times the veto's keep mask. logp, behav_logp, mask, keep, ref_logp: (B, T);
+    advantages (B,). Token-mean whose denominator counts the completion tokens before the veto. Returns (loss, stats);
+    with keep = mask and eps 0.2/0.2 it is grpo.compute_policy_loss(..., loss_agg="token-mean")."""
+    mask = mask.to(logp.dtype)
+    keep = mask if keep is None else keep.to(logp.dtype) * mask  # (B, T) 1 = token takes part in the gradient
+    log_ratio = logp - behav_logp  # (B, T) log rho_it, behav_logp frozen for the whole stage
+    ratio = torch.exp(log_ratio)  # rho_it = pi_theta / pi_behav
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # (B, 1), broadcast over tokens
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # Mu-GRPO: [0, 5]; rho >= 0 so A<0 never clips
+    per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, (B, T)
+    if beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        ref_diff = ref_logp - logp
+        per_token = per_token + beta * (torch.exp(ref_diff) - ref_diff - 1.0)  # k3 estimate of KL(pi || pi_ref)
+    n = mask.sum().clamp(min=1.0)  # completion tokens BEFORE the veto (reading: the veto does not re-weight)
+    loss = (per_token * keep).sum() / n
+    with torch.no_grad():
+        clip_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype) * mask  # clipped branch active, grad 0
+        clip_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype) * mask
+        neg = (adv < 0).to(mask.dtype) * mask  # (B, T) real tokens of A < 0 responses
+        stats = {
+            "clipfrac": ((clip_low + clip_high).sum() / n).item(),
+            "clipfrac_low": (clip_low.sum() / n).item(),
+            "clipfrac_high": (clip_high.sum() / n).item(),
+            "approx_kl": (((ratio - 1.0) - log_ratio) * mask).sum().div(n).item(),  # k3 of KL(behav || new)
+            "neg_ratio_sum": (ratio * neg).sum().item(),  # sum of rho over A<0 tokens (mugrpo/neg_ratio_mean)
+            "neg_tokens": neg.sum().item(),
+            "vetoed_tokens": (mask - keep).sum().item(),  # real tokens removed by the veto
+        }
+    return loss, stats
+
+
+# ALGO LOGIC: negative-advantage veto
+VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
+
+
+def veto_triggers(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  log_delta: float) -> torch.Tensor:
+    """Trigger tokens (B, T) bool: real completion tokens of A < 0 responses with log rho_it < log delta.
+
+    Compared in log space: exp() of two tiny log-probs underflows to 0/0 in fp32, their difference does not."""
+    log_ratio = (logp - behav_logp).detach()  # (B, T) log rho_it under the CURRENT policy (recomputed per update)
+    neg = (advantages < 0).unsqueeze(1).to(log_ratio.device)  # (B, 1) only negative-advantage responses
+    return (log_ratio < log_delta) & neg & mask.bool()  # padding never triggers
+
+
+def veto_mask(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              log_delta: float, scope: str = "suffix_nontrigger") -> torch.Tensor:
+    """keep (B, T) float, 1 = keep, 0 = vetoed or padding (keep <= mask). Only rows with A < 0 lose tokens.
+
+    kappa_i = first trigger of row i. Vetoed: `none` nothing; `trigger` the triggers; `suffix` every t > kappa_i
+    (kappa_i kept); `suffix_nontrigger` the t > kappa_i that are not triggers (H_kappa); `sequence` the whole row."""
+    real = mask.bool()
+    trig = veto_triggers(logp, behav_logp, advantages, mask, log_delta)  # (B, T)
+    if scope == "none":
+        veto = torch.zeros_like(trig)
+    elif scope == "trigger":
+        veto = trig
+    elif scope in ("suffix", "suffix_nontrigger", "sequence"):
+        n_trig = trig.long()
+        after_kappa = (n_trig.cumsum(dim=1) - n_trig) > 0  # (B, T) some trigger strictly before t  <=>  t > kappa_i
+        if scope == "suffix":
+            veto = after_kappa
+        elif scope == "suffix_nontrigger":
+            veto = after_kappa & ~trig  # H_kappa: later triggers themselves are kept (their rho < delta anyway)
+        else:
+            veto = trig.any(dim=1, keepdim=True).expand_as(trig)  # whole response once it has any trigger
+    else:
+        raise ValueError(f"veto scope must be one of {VETO_SCOPES}, not {scope!r}")
+    return (real & ~veto).to(logp.dtype)
+
+
+def main(args: Args) -> None:
+    # ALGO LOGIC: stage settings (a stage = one step with mu = --updates-per-batch updates on its own rollouts)
+    if args.updates_per_batch < 1 or args.prompts_per_step % args.updates_per_batch:
+        raise common.UserError(f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of "
+                               f"--updates-per-batch (mu = {args.updates_per_batch}): a stage is mu x prompts per update")
+    if args.veto_scope not in VETO_SCOPES:
+        raise common.UserError(f"--veto-scope must be one of {', '.join(VETO_SCOPES)}, not {args.veto_scope!r}")
+    if args.behav_logp not in ("trainer", "engine"):
+        raise common.UserError(f"--behav-logp must be trainer or engine, not {args.behav_logp!r}")
+    if not 0.0 < args.veto_delta <= 1.0 or not 0.0 <= args.clip_low <= 1.0 or args.clip_high < 0.0:
+        raise common.UserError("need 0 < --veto-delta <= 1, 0 <= --clip-low <= 1 and --clip-high >= 0")
+    log_delta = math.log(args.veto_delta)  # trigger test in log space: log rho_it < log delta
+    # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
+    common.set_cpu_threads()
+    device = common.pick_device()
+    resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
+    run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    common.seed_everything(args.seed)
+    if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
+        raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
+    q_field, a_field = args.question_field or None, args.answer_field or None
+    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                 reward=args.reward)
+    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field,
+                                 reward=args.reward)
+    if args.eval_limit:
+        eval_task.problems = eval_task.problems[:args.eval_limit]
+    tokenizer = common.load_tokenizer(resume_ckpt or args.model)
+    model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
+    ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
+    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    eval_prompts = [common.format_prompt(tokenizer, p["question"], eval_task.instruction, args.system_prompt or None)
+                    for p in eval_task.problems]
+    train_prompt_len = max(len(p) for p in eval_prompts) + 64
+    engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
+                                train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
+                                args.gpu_memory_utilization)
+    if args.behav_logp == "engine" and isinstance(engine, common.HFEngine):  # vLLM always returns them  # ALGO LOGIC
+        engine.return_logps = True  # ALGO LOGIC
+    timers = common.Timers(["rollout", "reward", "train", "sync", "eval"])
+    G, P = args.num_generations, args.prompts_per_step
+    pad_id = tokenizer.pad_token_id
+    start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
+    sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
+    if resume_ckpt:
+        state = common.load_trainer_state(resume_ckpt, optimizer, scheduler)
+        sampler.load_state_dict(state["sampler"])
+        start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
+        timers.total.update(state["timers"])
+        print(f"resumed {run_dir} from {resume_ckpt} (step {start_step})")
+    logger = common.RunLogger(run_dir, args, start_step if resume_ckpt else None, args.track, args.wandb_project)
+    t_start = time.time() - wall_offset
+
+    def run_eval(step: int) -> dict:
+        with timers("eval"):
+            engine.wake(model)
+            metrics, (records, samples) = common.evaluate(
+                engine, tokenizer, eval_task, eval_prompts, args.eval_samples, args.eval_temperature,
+                args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
+        logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
+        logger.write_samples(step, records, samples)
+        tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
+        return metrics
+
+    if args.eval_only:
+        metrics = run_eval(0)
+        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {eval_task.name}", None, metrics,
+                             timers.total, time.time() - t_start)
+        logger.close()
+        return
+    if start_step == 0:
+        eval_before = run_eval(0)
+    eval_after = eval_before
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step")
+    for step in range(start_step + 1, args.total_steps + 1):
+        timers.reset_step()
+        # TRY NOT TO MODIFY: rollout
+        with timers("sync"):
+            engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+        wake_s = timers.step["sync"]  # engine wake incl. the weight push (sync restarts at 0 each stage)  # ALGO LOGIC
+        with timers("rollout"):
+            problem_idx = sampler.sample(P)
+            problems = [train_task.problems[i] for i in problem_idx]
+            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
+                                               args.system_prompt or None) for p in problems]
+            rollout = engine.generate(prompt_ids, G, args.max_new_tokens, args.temperature, seed=args.seed + step)
+        with timers("sync"):
+            engine.sleep()
+        # TRY NOT TO MODIFY: rewards
+        with timers("reward"):
+            row_problems = [p for p in problems for _ in range(G)]
+            rewards = common.compute_rewards(train_task, row_problems, rollout.texts)  # (B,)
+        # ALGO LOGIC: advantages
+        # A stage's rollouts: P = mu x prompts per update, B = P*G rows, generated in one go under frozen weights.
+        advantages = compute_advantages(rewards, G)  # (B,) group-normalised once per stage, stored for its mu updates
+        # TRY NOT TO MODIFY: old log-probs
+        B = len(rollout.completion_ids)
+        mask = common.completion_mask_of(rollout)  # (B, T)
+        lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(B)]
+        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
+                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+        with timers("train"):
+            # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
+            # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
+            later_rows = [r for mb in minibatches[1:] for r in mb]
+            later_rows = [] if args.behav_logp == "engine" else later_rows  # engine log-probs: no trainer pass  # ALGO LOGIC
+            old_logp = torch.zeros_like(mask)  # (B, T)
+            old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
+            if later_rows:
+                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
+                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_ready[later_rows] = True
+            ref_logp = (common.batch_logps(ref_model, rollout, range(B), pad_id, args.temperature,
+                                           args.micro_batch_tokens, args.logp_chunk_tokens)
+                        if ref_model is not None else None)
+        # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
+        if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
+            if rollout.engine_logps is None:
+                raise common.RunError("--behav-logp engine: the rollout engine returned no log-probs")
+            behav_logp = torch.zeros_like(mask)  # (B, T)
+            for r, lp in enumerate(rollout.engine_logps):
+                behav_logp[r, :len(lp)] = torch.tensor(lp, dtype=behav_logp.dtype)
+            behav_ready = torch.ones(B, dtype=torch.bool)
+        else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
+            behav_logp, behav_ready = old_logp, old_ready  # (B, T), (B,): stored, never recomputed in the stage
+        sleep_s = timers.step["sync"] - wake_s  # engine sleep of this stage (sync = wake + sleep so far)
+        for phase, secs in (("sync.wake", wake_s), ("sync.sleep", sleep_s)):  # run totals for the summary
+            timers.total[phase] = timers.total.get(phase, 0.0) + secs
+        update_rows = []
+        with timers("train"):
+            upd_bar = tqdm(minibatches, desc=f"stage {step} update", leave=False, unit="upd")
+            for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates made since the stage's rollouts
+                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator: the mini-batch's tokens before veto
+                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
+                        "approx_kl": 0.0, "entropy": 0.0}
+                diag = {"neg_ratio_sum": 0.0, "neg_tokens": 0.0, "vetoed_tokens": 0.0, "neg_resp": 0, "triggered_resp": 0}
+                optimizer.zero_grad(set_to_none=True)
+                for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
+                    tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
+                                          [rollout.completion_ids[r] for r in micro], pad_id)
+                    logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
+                    T_m = logp.shape[1]
+                    micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
+                    ready = behav_ready[micro].unsqueeze(1).to(logp.device)
+                    behav = torch.where(ready, behav_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
+                    adv = advantages[micro].to(logp.device)  # (b,) stored at generation time
+                    ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
+                    # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
+                    keep = veto_mask(logp.detach(), behav, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
+                    loss, stats = compute_policy_loss(logp, behav, adv, micro_mask, args.clip_low, args.clip_high,
+                                                      keep, ref, args.beta)
+                    weight = common.accumulation_weight("token-mean", micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    (loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
+                    n_tok = micro_mask.sum().item()
+                    sums["policy_loss"] += loss.item() * weight
+                    for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
+                        sums[k] += stats[k] * n_tok / mb_tokens
+                    sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
+                    for k in ("neg_ratio_sum", "neg_tokens", "vetoed_tokens"):
+                        diag[k] += stats[k]
+                    trig = veto_triggers(logp.detach(), behav, adv, micro_mask, log_delta)  # (b, T_m) bool
+                    diag["neg_resp"] += int((adv < 0).sum().item())
+                    diag["triggered_resp"] += int(trig.any(dim=1).sum().item())  # triggers exist only in A<0 rows
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
+                                       "lower --learning-rate or check the data; the last checkpoint is intact")
+                optimizer.step()
+                scheduler.step()
+                update += 1
+                mu_row = {
+                    "mugrpo/staleness": staleness,
+                    "mugrpo/neg_ratio_mean": diag["neg_ratio_sum"] / diag["neg_tokens"] if diag["neg_tokens"] else None,
+                    "mugrpo/triggered_frac": diag["triggered_resp"] / diag["neg_resp"] if diag["neg_resp"] else None,
+                    "mugrpo/vetoed_token_frac": diag["vetoed_tokens"] / max(mb_tokens, 1.0),
+                }
+                if staleness == 0:  # split of the stage's engine switch, both parts of perf/sync_s
+                    mu_row |= {"perf/wake_s": wake_s, "perf/sleep_s": sleep_s}
+                update_rows.append({f"losses/{k}": v for k, v in sums.items()} | mu_row | {
+                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
+                    "update": update})
+                upd_bar.set_postfix(loss=f"{sums['policy_loss']:.3g}", clip=f"{sums['clipfrac']:.2f}",
+                                    veto=f"{mu_row['mugrpo/vetoed_token_frac']:.2f}", refresh=False)
+        # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint
+        step_time = sum(timers.step.values())
+        n_completion_tokens = int(mask.sum().item())
+        rollout_row = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/reward_std": rewards.std().item() if B > 1 else 0.0,
+            "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
+            "rollout/response_len_mean": n_completion_tokens / B,
+            "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
+            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["sync"], "perf/reward_s": timers.step["reward"],
+            "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
+            "perf/peak_mem_gb": common.peak_memory_gb(device),
+        }
+        engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
+        if engine_diff is not None:
+            rollout_row["perf/engine_logp_diff"], rollout_row["perf/engine_logp_diff_max"] = engine_diff
+        for i, row in enumerate(update_rows):
+            logger.log({"step": step, **row, "wall_s": time.time() - t_start, **(rollout_row if i == 0 else {})})
+        line_row = {**rollout_row, **update_rows[-1]}
+        tqdm.write(common.console_line(step, args.total_steps, line_row, [
+            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
+            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        bar.update(1)
+        if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
+            eval_after = run_eval(step)
+        if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
+            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
+                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
+                "eval_before": eval_before, "timers": dict(timers.total)})
+    bar.close()
+    wall = time.time() - t_start
+    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+                         eval_before, eval_after, timers.total, wall)
+    logger.close()
+
+
+if __name__ == "__main__":
+    common.run_cli(main, Args)
