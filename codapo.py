@@ -1,0 +1,445 @@
+"""CoDaPO: Confidence and Difficulty-adaptive Policy Optimization (Zhou et al., "The Easy, the Hard, and the
+Learnable", ICML 2026, arXiv:2606.07950; official verl code github.com/tmlr-group/CoDaPO, whose definitions are
+followed where the paper is terse) -- what it changes relative to grpo.py:
+  1. a bounded value per question q from its G rollouts (codapo_weights):
+        success rate  p_q = mean_i [r_i == 1],   difficulty value  V_d = 1 - 4 (d_q - 1/2)^2 = 4 p_q (1 - p_q),
+        confidence    c_q = exp( mean_i mean_t old_logp_it )   (old-policy log-probs at the sampling temperature),
+        weight        w_q = c_q * V_d + offset                 (offset 0.1 as in the official code: w in [0.1, 1.1]);
+     c needs every rollout's old log-probs, so they are computed for ALL rows (grpo.py reuses the first
+     mini-batch's own forward pass instead), and the advantages are computed after them;
+  2. advantages scaled per question, no renormalisation of w:  A_i = w_q (r_i - mean_q r) / (std_q r + 1e-6);
+  3. two-step schedule (CoDaSampling + CoDaLearning): a broad step on P fresh prompts, then a selection of the
+     learnable questions (0 < p < 1) with w_q >= quantile(w, --codapo-percentile), highest weight first
+     (select_for_resampling); the next step is the focused step: the selected questions, each repeated
+     --repeat-count times and cycled to fill the P prompt slots, get fresh rollouts from the UPDATED policy,
+     every copy its own group of G, with weights recomputed from its own rollouts;
+  4. a step is one rollout batch (P x G rollouts, --updates-per-batch updates) whether broad or focused:
+     --total-steps counts both, and focused steps draw no new prompts, so the same --total-steps /
+     --prompts-per-step / --num-generations as grpo.py gives exactly the same number of rollouts and updates.
+     Broad steps are the odd steps 1, 3, 5, ... unless a focused step was skipped (see below); the pending
+     selection lives in the prompt sampler's state, so a checkpoint between the two steps resumes exactly.
+Objective (token-mean, no KL, as the official recipe):
+  J(theta) = E[ 1/sum_i|o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) ],
+  r_it = pi_theta(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t),  A_i from 2.
+Ablations by flag: --no-codapo-weighting (w = 1 in the advantages; the selection still ranks by w),
+--no-focused-step (every step broad), both (grpo.py's objective; exactly with --codapo-std-eps 1e-4).
+Deliberate change vs the official code: there, when most of the batch is saturated (all right or all wrong,
+w = offset) the quantile equals the offset, every question passes the threshold and the focused batch is
+filled with the first questions in batch order, saturated ones included (zero advantage: a wasted step).
+Here only learnable questions (0 < p < 1) can be selected; if there is none, the focused step is skipped,
+logged as codapo/focused_skipped = 1, and the next step is a broad one. The official entropy bonus (0.001)
+is not used (no method here has one).
+
+Run:
+  python codapo.py                                 # CPU default: embedded SmolLM2-135M-Instruct on `arith`
+  python codapo.py --no-codapo-weighting --no-focused-step --codapo-std-eps 1e-4   # = grpo.py's objective
+  python codapo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --eval-dataset math500 --prompts-per-step 16 \\
+      --num-generations 8 --updates-per-batch 1 --learning-rate 1e-6 --warmup-updates 0 --max-new-tokens 3072 \\
+      --total-steps 9360 --eval-every 100 --eval-samples 32 --eval-k 1 --eval-limit 0 --save-every 100  # GPU + vLLM
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+import common
+from common import arg
+
+
+@dataclass
+class Args:
+    # common arguments (identical in grpo.py, gapo.py, mugrpo.py, codapo.py)
+    exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
+    model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
+    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
+    eval_dataset: str = arg("", "dataset for evaluation (default: held-out split of --dataset)")
+    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
+    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code")
+    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
+    engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
+    seed: int = arg(1, "random seed")
+    total_steps: int = arg(12, "number of steps (rollout batches)")
+    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
+    num_generations: int = arg(8, "rollouts per prompt (G)")
+    max_new_tokens: int = arg(32, "maximum completion length")
+    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
+    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
+    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    micro_batch_tokens: int = arg(4096, "token budget (rows x padded length) of one forward/backward micro-batch")
+    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
+    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
+    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
+    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
+    eval_samples: int = arg(4, "samples per evaluation problem (n)")
+    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
+    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
+    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
+    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
+    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
+    output_dir: str = arg("runs", "parent folder of run folders")
+    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
+    track: bool = arg(False, "log to Weights & Biases")
+    wandb_project: str = arg("rlvr-reference", "W&B project")
+    # CODAPO specific arguments
+    codapo_offset: float = arg(0.1, "offset added to the value: w = c * V_d + offset (official code; the paper's eq. has none)")
+    codapo_percentile: float = arg(0.75, "select learnable questions with w >= this quantile of the batch's w (CoDaSampling)")
+    repeat_count: int = arg(4, "copies of each selected question in the focused step (about 1 / (1 - percentile))")
+    codapo_weighting: bool = arg(True, "scale each question's advantages by w (--no-codapo-weighting: w = 1, ablation)")
+    focused_step: bool = arg(True, "follow each broad step by a focused step on the selected questions (--no-focused-step: ablation)")
+    codapo_std_eps: float = arg(1e-6, "epsilon of the group std in the advantage (official 1e-6; grpo.py uses 1e-4)")
+    clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low (official recipe 0.2)")
+    clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (official 0.2; 0.28 in its DAPO variant)")
+    loss_agg: str = arg("token-mean", "token-mean (official), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)")
+
+    def __post_init__(self):
+        if not 0.0 <= self.codapo_percentile <= 1.0:
+            raise common.UserError(f"--codapo-percentile must be in [0, 1], not {self.codapo_percentile}")
+        if self.repeat_count < 1:
+            raise common.UserError(f"--repeat-count must be >= 1, not {self.repeat_count}")
+
+
+# ALGO LOGIC: advantages
+def compute_advantages(rewards: torch.Tensor, group_size: int, weights: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> torch.Tensor:
+    """rewards (B,), weights (B // G,) one per group (None: all 1) -> advantages (B,).
+
+    A_i = w_q * (r_i - mean_q r) / (std_q r + eps), unbiased std; rows [g*G:(g+1)*G] are group g. With w = 1 and
+    eps = 1e-4 this is grpo.py's compute_advantages(scale="group") exactly."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # r_i - mean_q r
+    std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centered[:, :1])  # unbiased (N-1)
+    adv = centered / (std + eps)  # all-equal group -> 0 / eps = 0 exactly
+    if weights is not None:
+        adv = adv * weights.to(adv.dtype).view(-1, 1)  # CoDaLearning: scale group q by w_q (no renormalisation)
+    return adv.reshape(-1)
+
+
+# ALGO LOGIC: policy loss
+def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        eps_low: float = 0.2, eps_high: float = 0.2, loss_agg: str = "token-mean",
+                        ref_logp: torch.Tensor | None = None, beta: float = 0.0,
+                        max_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate. logp, old_logp, ref_logp, mask: (B, T); advantages (B,). Returns (loss, stats)."""
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # (B, T) log r_it
+    ratio = torch.exp(log_ratio)  # r_it = pi_theta / pi_old
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # (B, 1), broadcast over tokens
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)  # PPO pessimistic bound, (B, T)
+    if beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        ref_diff = ref_logp - logp
+        per_token = per_token + beta * (torch.exp(ref_diff) - ref_diff - 1.0)  # k3 estimate of KL(pi || pi_ref)
+    if loss_agg == "token-mean":  # DAPO: every token of the (mini-)batch weighs the same
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_agg == "seq-mean-token-mean":  # GRPO: mean over sequences of each sequence's token mean
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+    elif loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO: constant normaliser n_seqs * max_tokens
+        loss = (per_token * mask).sum() / (mask.shape[0] * (max_tokens or mask.shape[1]))
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        clip_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype) * mask  # clipped branch active, grad 0
+        clip_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype) * mask
+        stats = {
+            "clipfrac": ((clip_low + clip_high).sum() / n).item(),
+            "clipfrac_low": (clip_low.sum() / n).item(),
+            "clipfrac_high": (clip_high.sum() / n).item(),
+            "approx_kl": (((ratio - 1.0) - log_ratio) * mask).sum().div(n).item(),  # k3 of KL(old || new)
+        }
+    return loss, stats
+
+
+# ALGO LOGIC: codapo_weights, select_for_resampling, focused prompt slots
+def success_rate(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards (B,) in [0, 1] -> p (B // G,): the share of each group's rollouts that are fully right (r == 1)."""
+    return (rewards.view(-1, group_size) >= 1.0).to(torch.float32).mean(dim=1)  # p_q = mean_i [r_i == 1]
+
+
+def codapo_confidence(seq_mean_logp: torch.Tensor, group_size: int) -> torch.Tensor:
+    """seq_mean_logp (B,): each rollout's mean token log-prob under the old policy -> c (B // G,) in (0, 1].
+
+    c_q = exp( mean_i [ mean_t old_logp_it ] ): averaged over ALL G rollouts of q (right and wrong), then
+    exponentiated, i.e. the geometric-mean token probability of the group."""
+    return torch.exp(seq_mean_logp.to(torch.float32).view(-1, group_size).mean(dim=1))
+
+
+def codapo_weights(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, group_size: int,
+                   offset: float = 0.1) -> torch.Tensor:
+    """One weight per group (B // G,): w_q = c_q * V_d + offset, V_d = 4 p_q (1 - p_q) in [0, 1].
+
+    V_d = 1 - 4 (d_q - 1/2)^2 with difficulty d_q = 1 - p_q: 0 for all-right and all-wrong groups, 1 at p = 1/2.
+    So saturated groups (and every group when G = 1) get exactly w = offset."""
+    p = success_rate(rewards, group_size)  # (P,)
+    value_difficulty = 4.0 * p * (1.0 - p)  # (P,) V_d
+    return codapo_confidence(seq_mean_logp, group_size) * value_difficulty + offset  # (P,)
+
+
+def select_for_resampling(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
+                          percentile: float = 0.75) -> list[int]:
+    """Group indices for the focused step, highest weight first (ties: batch order).
+
+    Official rule: w_q >= quantile(w, percentile) over all B // G groups (linear interpolation, as torch.quantile).
+    Deliberate change: only learnable groups (0 < p < 1) qualify. In a mostly saturated batch the quantile falls
+    to the offset and every group passes; the official code then takes groups in batch order, saturated ones
+    (zero advantage) included. Returns [] when no group is learnable (the caller skips the focused step)."""
+    p = success_rate(rewards, group_size)  # (P,)
+    w = weights.to(torch.float32)
+    threshold = torch.quantile(w, percentile)  # scalar; percentile 0.75 -> about the top quarter
+    chosen = ((w >= threshold) & (p > 0.0) & (p < 1.0)).nonzero().flatten().tolist()
+    return sorted(chosen, key=lambda g: -w[g].item())  # stable sort: equal weights keep batch order
+
+
+def focused_prompt_slots(selected: list[int], repeat_count: int, num_slots: int) -> list[int]:
+    """Prompt slots of the focused step: each selected id `repeat_count` times in a row, the sequence cycled and
+    cut to `num_slots` (as the official code): [a, b], 4, 8 -> a a a a b b b b; [a], 4, 8 -> a x 8;
+    [a, b, c], 4, 8 -> a a a a b b b b (the lowest-weight selection falls off). Every slot is its own group of G."""
+    sequence = [q for q in selected for _ in range(repeat_count)]
+    return [sequence[i % len(sequence)] for i in range(num_slots)]
+
+
+class FocusSampler(common.PromptSampler):
+    """The prompt sampler of grpo.py plus one pending focus: after a broad step, set_focus(problem ids) makes
+    the next sample(P) return the focused step's slots instead of fresh prompts (the epoch stream does not
+    move). The pending focus is part of state_dict(), which goes into every checkpoint: a run stopped between
+    a broad step and its focused step resumes with that focused step."""
+
+    def __init__(self, n: int, seed: int, repeat_count: int):
+        super().__init__(n, seed)
+        self.repeat_count, self.focus, self.last_focused = repeat_count, [], False
+
+    def set_focus(self, problem_ids: list[int]) -> None:
+        self.focus = [int(i) for i in problem_ids]
+
+    def sample(self, k: int) -> list[int]:
+        self.last_focused = bool(self.focus)  # does the batch being drawn belong to a focused step?
+        if not self.focus:
+            return super().sample(k)  # broad step: k fresh prompts
+        slots, self.focus = focused_prompt_slots(self.focus, self.repeat_count, k), []
+        return slots
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "focus": list(self.focus)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.focus = list(state.get("focus", []))
+
+
+def main(args: Args) -> None:
+    # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
+    common.set_cpu_threads()
+    device = common.pick_device()
+    resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
+    run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    common.seed_everything(args.seed)
+    if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
+        raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
+    q_field, a_field = args.question_field or None, args.answer_field or None
+    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                 reward=args.reward)
+    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field,
+                                 reward=args.reward)
+    if args.eval_limit:
+        eval_task.problems = eval_task.problems[:args.eval_limit]
+    tokenizer = common.load_tokenizer(resume_ckpt or args.model)
+    model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
+    ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
+    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    eval_prompts = [common.format_prompt(tokenizer, p["question"], eval_task.instruction, args.system_prompt or None)
+                    for p in eval_task.problems]
+    train_prompt_len = max(len(p) for p in eval_prompts) + 64
+    engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
+                                train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
+                                args.gpu_memory_utilization)
+    timers = common.Timers(["rollout", "reward", "train", "sync", "eval"])
+    G, P = args.num_generations, args.prompts_per_step
+    pad_id = tokenizer.pad_token_id
+    start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
+    sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
+    sampler = FocusSampler(len(train_task.problems), args.seed, args.repeat_count) if train_task else None  # ALGO LOGIC
+    if resume_ckpt:
+        state = common.load_trainer_state(resume_ckpt, optimizer, scheduler)
+        sampler.load_state_dict(state["sampler"])
+        start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
+        timers.total.update(state["timers"])
+        print(f"resumed {run_dir} from {resume_ckpt} (step {start_step})")
+    logger = common.RunLogger(run_dir, args, start_step if resume_ckpt else None, args.track, args.wandb_project)
+    t_start = time.time() - wall_offset
+
+    def run_eval(step: int) -> dict:
+        with timers("eval"):
+            engine.wake(model)
+            metrics, (records, samples) = common.evaluate(
+                engine, tokenizer, eval_task, eval_prompts, args.eval_samples, args.eval_temperature,
+                args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
+        logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
+        logger.write_samples(step, records, samples)
+        tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
+        return metrics
+
+    if args.eval_only:
+        metrics = run_eval(0)
+        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {eval_task.name}", None, metrics,
+                             timers.total, time.time() - t_start)
+        logger.close()
+        return
+    if start_step == 0:
+        eval_before = run_eval(0)
+    eval_after = eval_before
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step")
+    for step in range(start_step + 1, args.total_steps + 1):
+        timers.reset_step()
+        # TRY NOT TO MODIFY: rollout
+        with timers("sync"):
+            engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+        with timers("rollout"):
+            problem_idx = sampler.sample(P)
+            problems = [train_task.problems[i] for i in problem_idx]
+            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
+                                               args.system_prompt or None) for p in problems]
+            rollout = engine.generate(prompt_ids, G, args.max_new_tokens, args.temperature, seed=args.seed + step)
+        with timers("sync"):
+            engine.sleep()
+        # TRY NOT TO MODIFY: rewards
+        with timers("reward"):
+            row_problems = [p for p in problems for _ in range(G)]
+            rewards = common.compute_rewards(train_task, row_problems, rollout.texts)  # (B,)
+        # ALGO LOGIC: advantages -- CoDaPO's weights need every row's old log-probs, so they come after them (below)
+        # TRY NOT TO MODIFY: old log-probs
+        B = len(rollout.completion_ids)
+        mask = common.completion_mask_of(rollout)  # (B, T)
+        lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(B)]
+        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
+                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+        with timers("train"):
+            # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
+            # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
+            later_rows = [r for mb in minibatches[1:] for r in mb]
+            # CoDaPO: the confidence c_q needs old_logp on EVERY row, the first mini-batch's included  # ALGO LOGIC
+            later_rows = list(range(B))  # ALGO LOGIC
+            old_logp = torch.zeros_like(mask)  # (B, T)
+            old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
+            if later_rows:
+                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
+                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_ready[later_rows] = True
+            ref_logp = (common.batch_logps(ref_model, rollout, range(B), pad_id, args.temperature,
+                                           args.micro_batch_tokens, args.logp_chunk_tokens)
+                        if ref_model is not None else None)
+        # ALGO LOGIC: value w_q, advantages, selection for the focused step (shapes: B = P*G rows, P groups)
+        focused = sampler.last_focused  # this batch re-rolls the previous broad step's selection
+        seq_mean_logp = (old_logp * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B,) mean_t old_logp_it per rollout
+        weights = codapo_weights(rewards, seq_mean_logp, G, args.codapo_offset)  # (P,) w_q = c_q * 4p(1-p) + offset
+        advantages = compute_advantages(rewards, G, weights if args.codapo_weighting else None,
+                                        args.codapo_std_eps)  # (B,) A_i = w_q (r_i - mean) / (std + eps)
+        p = success_rate(rewards, G)  # (P,) p_q
+        codapo_row = {"codapo/weight_mean": weights.mean().item(), "codapo/weight_max": weights.max().item(),
+                      "codapo/confidence_mean": codapo_confidence(seq_mean_logp, G).mean().item(),
+                      "codapo/learnable_frac": ((p > 0) & (p < 1)).float().mean().item(),
+                      "codapo/focused_step": float(focused),
+                      f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item()}
+        if not focused:  # broad step: pick what the next (focused) step re-rolls from the updated policy
+            selected = select_for_resampling(rewards, weights, G, args.codapo_percentile)  # group ids, best first
+            codapo_row["codapo/selected"] = len(selected)
+            if selected:
+                codapo_row["codapo/selected_reward_mean"] = rewards.view(P, G)[selected].mean().item()
+            if args.focused_step:
+                sampler.set_focus([problem_idx[g] for g in selected])  # pending focus: saved with the sampler state
+                codapo_row["codapo/focused_skipped"] = float(not selected)
+                if not selected:  # deliberate change vs the official code: never re-roll saturated questions
+                    tqdm.write(f"step {step}: no learnable question (every group all right or all wrong); "
+                               "focused step skipped, the next step is a broad one")
+        # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss)
+        update_rows = []
+        with timers("train"):
+            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
+                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
+                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
+                        "approx_kl": 0.0, "entropy": 0.0}
+                optimizer.zero_grad(set_to_none=True)
+                for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
+                    tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
+                                          [rollout.completion_ids[r] for r in micro], pad_id)
+                    logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
+                    T_m = logp.shape[1]
+                    micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
+                    ready = old_ready[micro].unsqueeze(1).to(logp.device)
+                    old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
+                    ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
+                    loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
+                                                      args.clip_low, args.clip_high, args.loss_agg, ref, args.beta,
+                                                      args.max_new_tokens)
+                    weight = common.accumulation_weight(args.loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    (loss * weight).backward()
+                    n_tok = micro_mask.sum().item()
+                    sums["policy_loss"] += loss.item() * weight
+                    for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
+                        sums[k] += stats[k] * n_tok / mb_tokens
+                    sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
+                                       "lower --learning-rate or check the data; the last checkpoint is intact")
+                optimizer.step()
+                scheduler.step()
+                update += 1
+                update_rows.append({f"losses/{k}": v for k, v in sums.items()} | {
+                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
+                    "update": update})
+        # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint
+        step_time = sum(timers.step.values())
+        n_completion_tokens = int(mask.sum().item())
+        rollout_row = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/reward_std": rewards.std().item() if B > 1 else 0.0,
+            "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
+            "rollout/response_len_mean": n_completion_tokens / B,
+            "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
+            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["sync"], "perf/reward_s": timers.step["reward"],
+            "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
+            "perf/peak_mem_gb": common.peak_memory_gb(device),
+        }
+        rollout_row.update(codapo_row)  # ALGO LOGIC
+        engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
+        if engine_diff is not None:
+            rollout_row["perf/engine_logp_diff"], rollout_row["perf/engine_logp_diff_max"] = engine_diff
+        for i, row in enumerate(update_rows):
+            logger.log({"step": step, **row, "wall_s": time.time() - t_start, **(rollout_row if i == 0 else {})})
+        line_row = {**rollout_row, **update_rows[-1]}
+        tqdm.write(common.console_line(step, args.total_steps, line_row, [
+            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
+            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        bar.update(1)
+        if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
+            eval_after = run_eval(step)
+        if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
+            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
+                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
+                "eval_before": eval_before, "timers": dict(timers.total)})
+    bar.close()
+    wall = time.time() - t_start
+    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+                         eval_before, eval_after, timers.total, wall)
+    logger.close()
+
+
+if __name__ == "__main__":
+    common.run_cli(main, Args)

@@ -1,0 +1,424 @@
+"""GAPO: Group Adaptive Clipping Policy Optimization (Jia, Wang, Kasiviswanathan, Houthooft, arXiv:2609.00444)
+-- what it changes relative to grpo.py:
+  1. the UPPER clip bound is per rollout: a correct rollout of a group with c of k correct gets
+        eps_high(c) = eps_low + (eps_high_max - eps_low) * (k - c)/(k - 1)                    (GAPO eq. 11)
+     i.e. the rare correct answer of a hard prompt may move its probability furthest; every incorrect
+     rollout, and every rollout of an all-correct / all-wrong group, keeps eps_low; the lower bound
+     1 - eps_low is the same for all rollouts. For rewards in [0,1] the general form
+     eps_low + (eps_high_max - eps_low) * A_i / A_max, A_max = (k-1)/k, is used (identical for binary rewards);
+  2. advantages A_i = r_i - mean_g(r) WITHOUT std division by default (Dr. GRPO form; --scale-rewards group
+     restores GRPO's; eq. 11 always reads the raw group statistics);
+  3. two clipping levels: token (PPO/GRPO surrogate, token-mean) and sequence (GSPO: one ratio per rollout,
+     the geometric mean of its token ratios, mean over sequences; the paper's main variant);
+  4. the paper's baselines by flags, same script and seed: --clip-mode fixed (every rollout gets
+     1 + --clip-high-max: clip-higher; with --clip-high-max equal to --clip-low: symmetric clip), at either
+     level, and focal advantage shaping F-GRPO / F-GSPO (arXiv:2602.06717), A_i <- (1 - c/k)^gamma * A_i;
+  5. diagnostics in metrics.jsonl: clip fraction and mean |ratio - 1| of the correct (A > 0) rollouts per c
+     (gapo/clipfrac_c{c}, gapo/ratio_absdev_c{c}), fraction of rollouts with A > 0 (gapo/pos_adv_frac).
+
+Objective (binary rewards, group of k rollouts, c correct; s = ratio of the chosen level):
+    token level:     l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high_i)),  r_it = pi(o_it)/pi_old(o_it),
+                     loss = sum_it m_it l_it / sum_it m_it
+    sequence level:  s_i = exp( sum_t m_it (log pi - log pi_old)_it / sum_t m_it ),
+                     l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high_i)),  loss = mean_i l_i,
+                     differentiated in the GSPO-token form  log s_it = sg[log s_i] + log pi(o_it) - sg[log pi(o_it)]
+    eps_high_i = eps_high(c_i) of eq. 11 for A_i > 0, eps_low otherwise (--clip-mode fixed: --clip-high-max for all).
+Our reading where the paper's text was not reachable (see the spec): the general [0,1] form above, the token-level
+aggregation (token-mean), the focal weight's c/k read as the group's mean reward for non-binary rewards, and which
+fixed clip the focal baseline sits on (any: the flags are independent).
+
+Clipping only acts off-policy. With --updates-per-batch 1 the ratio is exactly 1 at every update and GAPO equals its
+baseline; the default takes 2 updates per rollout batch (the first mini-batch still sees ratio 1, the second is
+trained after one optimizer step and is where the clip fires). The paper takes 4 (256 prompts, mini-batches of 64).
+
+Run:
+  python gapo.py                                          # CPU default: embedded SmolLM2-135M-Instruct on `arith`,
+                                                          # token level, (eps_low, eps_high_max) = (0.2, 0.28)
+  python gapo.py --clip-mode fixed                        # baseline: fixed clip-higher (0.2, 0.28)
+  python gapo.py --clip-mode fixed --clip-high-max 0.2    # baseline: fixed symmetric clip
+  python gapo.py --clip-mode fixed --focal-gamma 1        # baseline: F-GRPO (focal advantage shaping)
+  python gapo.py --model Qwen/Qwen2.5-Math-1.5B --dataset deepscaler --eval-dataset aime24 --clip-level sequence \\
+      --clip-low 3e-3 --clip-high-max 5e-3 --prompts-per-step 256 --num-generations 8 --updates-per-batch 4 \\
+      --max-new-tokens 3072 --learning-rate 1e-6 --eval-samples 256 --eval-k 16 256 --eval-limit 0   # GPU + vLLM
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+import common
+from common import arg
+
+
+@dataclass
+class Args:
+    # common arguments (identical in grpo.py, gapo.py, mugrpo.py, codapo.py)
+    exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
+    model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
+    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
+    eval_dataset: str = arg("", "dataset for evaluation (default: held-out split of --dataset)")
+    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
+    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code")
+    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
+    engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
+    seed: int = arg(1, "random seed")
+    total_steps: int = arg(12, "number of steps (rollout batches)")
+    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
+    num_generations: int = arg(8, "rollouts per prompt (G)")
+    max_new_tokens: int = arg(32, "maximum completion length")
+    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
+    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
+    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    micro_batch_tokens: int = arg(4096, "token budget (rows x padded length) of one forward/backward micro-batch")
+    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
+    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
+    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
+    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
+    eval_samples: int = arg(4, "samples per evaluation problem (n)")
+    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
+    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
+    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
+    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
+    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
+    output_dir: str = arg("runs", "parent folder of run folders")
+    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
+    track: bool = arg(False, "log to Weights & Biases")
+    wandb_project: str = arg("rlvr-reference", "W&B project")
+    # GAPO specific arguments
+    clip_mode: str = arg("adaptive", "adaptive: GAPO eq. 11 upper bound per correct rollout; fixed: 1 + --clip-high-max "
+                         "for every rollout (clip-higher baseline; symmetric with --clip-high-max = --clip-low)",
+                         choices=["adaptive", "fixed"])
+    clip_level: str = arg("token", "token: PPO/GRPO per-token ratio, token-mean; sequence: GSPO sequence ratio "
+                          "(paper's main variant, use ~1e-3-scale bounds), mean over sequences",
+                          choices=["token", "sequence"])
+    clip_low: float = arg(0.2, "eps_low: lower bound 1 - eps_low for every rollout; adaptive mode: also the upper "
+                          "bound of incorrect rollouts (paper: 0.2 token level, 3e-3 sequence level)")
+    clip_high_max: float = arg(0.28, "eps_high_max: upper bound of a correct rollout with c = 1 (eq. 11); with "
+                               "--clip-mode fixed, every rollout's upper bound (paper: 0.28 token, 5e-3 sequence)")
+    focal_gamma: float = arg(0.0, "focal advantage shaping A <- (1 - c/k)^gamma * A (F-GRPO/F-GSPO baseline, "
+                             "arXiv:2602.06717); 0: off")
+    scale_rewards: str = arg("none", "advantage scale: none (A = r - mean, GAPO/Dr. GRPO) or group (divide by group "
+                             "std + 1e-4, GRPO)", choices=["none", "group"])
+
+    def __post_init__(self):
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high_max < 0.0:
+            raise common.UserError("--clip-low must be in [0, 1) and --clip-high-max >= 0")
+        if self.clip_mode == "adaptive" and self.clip_high_max < self.clip_low:
+            raise common.UserError("--clip-high-max must be >= --clip-low with --clip-mode adaptive (eq. 11 "
+                                   "interpolates between them)")
+        if self.focal_gamma < 0.0:
+            raise common.UserError("--focal-gamma must be >= 0")
+
+
+# ALGO LOGIC: advantages
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none",
+                       focal_gamma: float = 0.0) -> torch.Tensor:
+    """rewards (B,) -> advantages (B,); rows [g*G:(g+1)*G] are the G rollouts of prompt g."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # A_i = r_i - mean_g(r)  (GAPO default: no std division)
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centered[:, :1])  # unbiased (N-1)
+        centered = centered / (std + 1e-4)  # GRPO eq. (3); all-equal group -> 0 / 1e-4 = 0 exactly
+    elif scale != "none":
+        raise ValueError(f"scale must be 'group' or 'none', not {scale!r}")
+    if focal_gamma > 0.0:  # F-GRPO / F-GSPO baseline: A_i <- (1 - c/k)^gamma * A_i
+        success = grouped.mean(dim=1, keepdim=True).clamp(0.0, 1.0)  # (P, 1) c/k for binary rewards (mean reward else)
+        centered = centered * (1.0 - success) ** focal_gamma  # down-weights easy (high-success) groups
+    return centered.reshape(-1)
+
+
+# ALGO LOGIC: policy loss
+def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        eps_low: float = 0.2, eps_high: float | torch.Tensor = 0.28, level: str = "token",
+                        ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate with a per-rollout upper bound. logp, old_logp, ref_logp, mask: (B, T); advantages (B,);
+    eps_high: float or (B,). level "token": token-mean of the PPO/GRPO term; "sequence": GSPO, mean over sequences.
+    Returns (loss, stats); stats["rows"] holds per-row clip counts / units / sum |ratio - 1| for per-c diagnostics
+    (units: tokens at token level, 1 per sequence at sequence level)."""
+    mask = mask.to(logp.dtype)
+    B = logp.shape[0]
+    adv = advantages.to(logp.dtype).unsqueeze(1)  # (B, 1), broadcast over tokens
+    hi = torch.as_tensor(eps_high, dtype=logp.dtype, device=logp.device).expand(B).unsqueeze(1)  # (B, 1) eps_high_i
+    upper = 1.0 + hi  # (B, 1) per-rollout upper bound 1 + eps_high_i
+    lower = torch.full_like(upper, 1.0 - eps_low)  # (B, 1) fixed lower bound
+    log_ratio = logp - old_logp  # (B, T) log r_it
+    if level == "token":
+        ratio = torch.exp(log_ratio)  # (B, T) r_it = pi_theta / pi_old
+    elif level == "sequence":
+        log_s = sequence_log_ratio(logp, old_logp, mask)  # (B,) log s_i
+        # GSPO-token form: value s_i on every token, gradient s_i * grad logp_it (token mean of it = grad s_i)
+        ratio = torch.exp(log_s.detach().unsqueeze(1) + logp - logp.detach())  # (B, T) s_it
+    else:
+        raise ValueError(f"level must be 'token' or 'sequence', not {level!r}")
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, min=lower, max=upper)  # GAPO: upper bound per rollout
+    per_token = torch.maximum(unclipped, clipped)  # PPO pessimistic bound, (B, T)
+    if beta > 0.0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        ref_diff = ref_logp - logp
+        per_token = per_token + beta * (torch.exp(ref_diff) - ref_diff - 1.0)  # k3 estimate of KL(pi || pi_ref)
+    if level == "token":  # token-mean: every token of the (mini-)batch weighs the same
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    else:  # GSPO: mean over sequences of each sequence's token mean (= l_i, the s_it all equal s_i)
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+    with torch.no_grad():
+        r = ratio.detach()
+        if level == "token":
+            units = mask  # (B, T) one unit per completion token
+        else:
+            units = torch.zeros_like(mask)  # (B, T) one unit per sequence: its first token carries s_i
+            units[:, 0] = (mask.sum(1) > 0).to(mask.dtype)
+        clip_low = ((r < lower) & (adv < 0)).to(mask.dtype) * units  # clipped branch active, grad 0
+        clip_high = ((r > upper) & (adv > 0)).to(mask.dtype) * units
+        n = units.sum().clamp(min=1.0)
+        stats = {
+            "clipfrac": ((clip_low + clip_high).sum() / n).item(),  # per token (token level) / per sequence
+            "clipfrac_low": (clip_low.sum() / n).item(),
+            "clipfrac_high": (clip_high.sum() / n).item(),
+            "approx_kl": (((torch.exp(log_ratio) - 1.0) - log_ratio) * mask).sum().div(mask.sum().clamp(min=1.0))
+                         .item(),  # token-level k3 of KL(old || new) at both levels
+            "rows": {"clipped": (clip_low + clip_high).sum(1).cpu(), "units": units.sum(1).cpu(),  # (B,) each
+                     "abs_dev": ((r - 1.0).abs() * units).sum(1).cpu()},
+        }
+    return loss, stats
+
+
+# ALGO LOGIC: gapo_eps_high
+def gapo_eps_high(rewards: torch.Tensor, group_size: int, eps_low: float, eps_high_max: float) -> torch.Tensor:
+    """Per-rollout upper clip bound (B,), GAPO eq. 11. Binary rewards, c correct of k:
+    correct -> eps_low + (eps_high_max - eps_low) * (k - c)/(k - 1); incorrect, all-correct, all-wrong -> eps_low.
+    General form for rewards in [0,1]: eps_low + (eps_high_max - eps_low) * A_i / A_max for A_i > 0, A_max = (k-1)/k,
+    from the raw (unscaled) group statistics."""
+    eps = torch.full_like(rewards, eps_low, dtype=torch.float32)  # (B,)
+    if group_size < 2:  # k = 1: no advantage, nothing to widen
+        return eps
+    grouped = rewards.float().view(-1, group_size)  # (P, G)
+    adv_raw = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (B,) raw A_i; correct: (k - c)/k
+    a_max = (group_size - 1) / group_size  # A of the single correct rollout of a group (c = 1)
+    share = (adv_raw.clamp(min=0.0) / a_max).clamp(max=1.0)  # (B,) (k - c)/(k - 1) for correct, 0 otherwise
+    return eps + (eps_high_max - eps_low) * share  # GAPO eq. 11
+
+
+def group_correct_counts(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards (B,) -> c (B,): number of correct rollouts (reward >= 1) in each row's group (diagnostics only)."""
+    c = (rewards.view(-1, group_size) >= 1.0).sum(dim=1)  # (P,)
+    return c.repeat_interleave(group_size)  # (B,)
+
+
+# ALGO LOGIC: sequence ratio (GSPO)
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log s_i (B,) = sum_t m_it (logp_it - old_logp_it) / sum_t m_it  (GSPO sequence ratio, length-normalised)."""
+    mask = mask.to(logp.dtype)
+    return ((logp - old_logp) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def main(args: Args) -> None:
+    # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
+    common.set_cpu_threads()
+    device = common.pick_device()
+    resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
+    run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    common.seed_everything(args.seed)
+    if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
+        raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
+    q_field, a_field = args.question_field or None, args.answer_field or None
+    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                 reward=args.reward)
+    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field,
+                                 reward=args.reward)
+    if args.eval_limit:
+        eval_task.problems = eval_task.problems[:args.eval_limit]
+    tokenizer = common.load_tokenizer(resume_ckpt or args.model)
+    model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
+    ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
+    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    eval_prompts = [common.format_prompt(tokenizer, p["question"], eval_task.instruction, args.system_prompt or None)
+                    for p in eval_task.problems]
+    train_prompt_len = max(len(p) for p in eval_prompts) + 64
+    engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
+                                train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
+                                args.gpu_memory_utilization)
+    timers = common.Timers(["rollout", "reward", "train", "sync", "eval"])
+    G, P = args.num_generations, args.prompts_per_step
+    pad_id = tokenizer.pad_token_id
+    start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
+    sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
+    if resume_ckpt:
+        state = common.load_trainer_state(resume_ckpt, optimizer, scheduler)
+        sampler.load_state_dict(state["sampler"])
+        start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
+        timers.total.update(state["timers"])
+        print(f"resumed {run_dir} from {resume_ckpt} (step {start_step})")
+    logger = common.RunLogger(run_dir, args, start_step if resume_ckpt else None, args.track, args.wandb_project)
+    t_start = time.time() - wall_offset
+
+    def run_eval(step: int) -> dict:
+        with timers("eval"):
+            engine.wake(model)
+            metrics, (records, samples) = common.evaluate(
+                engine, tokenizer, eval_task, eval_prompts, args.eval_samples, args.eval_temperature,
+                args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
+        logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
+        logger.write_samples(step, records, samples)
+        tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
+        return metrics
+
+    if args.eval_only:
+        metrics = run_eval(0)
+        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {eval_task.name}", None, metrics,
+                             timers.total, time.time() - t_start)
+        logger.close()
+        return
+    if start_step == 0:
+        eval_before = run_eval(0)
+    eval_after = eval_before
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step")
+    for step in range(start_step + 1, args.total_steps + 1):
+        timers.reset_step()
+        # TRY NOT TO MODIFY: rollout
+        with timers("sync"):
+            engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+        with timers("rollout"):
+            problem_idx = sampler.sample(P)
+            problems = [train_task.problems[i] for i in problem_idx]
+            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
+                                               args.system_prompt or None) for p in problems]
+            rollout = engine.generate(prompt_ids, G, args.max_new_tokens, args.temperature, seed=args.seed + step)
+        with timers("sync"):
+            engine.sleep()
+        # TRY NOT TO MODIFY: rewards
+        with timers("reward"):
+            row_problems = [p for p in problems for _ in range(G)]
+            rewards = common.compute_rewards(train_task, row_problems, rollout.texts)  # (B,)
+        # ALGO LOGIC: advantages
+        advantages = compute_advantages(rewards, G, args.scale_rewards, args.focal_gamma)  # (B,) r - mean_g r [* focal]
+        if args.clip_mode == "adaptive":
+            eps_high = gapo_eps_high(rewards, G, args.clip_low, args.clip_high_max)  # (B,) GAPO eq. 11
+        else:
+            eps_high = torch.full((len(rewards),), args.clip_high_max)  # (B,) fixed clip(-higher) baseline
+        n_correct = group_correct_counts(rewards, G)  # (B,) c of each row's group (per-c diagnostics)
+        positive = advantages > 0  # (B,) correct rollouts of mixed groups: the ones eq. 11 widens
+        loss_agg = "token-mean" if args.clip_level == "token" else "seq-mean-token-mean"  # for accumulation weights
+        # TRY NOT TO MODIFY: old log-probs
+        B = len(rollout.completion_ids)
+        mask = common.completion_mask_of(rollout)  # (B, T)
+        lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(B)]
+        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
+                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+        with timers("train"):
+            # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
+            # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
+            later_rows = [r for mb in minibatches[1:] for r in mb]
+            old_logp = torch.zeros_like(mask)  # (B, T)
+            old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
+            if later_rows:
+                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
+                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_ready[later_rows] = True
+            ref_logp = (common.batch_logps(ref_model, rollout, range(B), pad_id, args.temperature,
+                                           args.micro_batch_tokens, args.logp_chunk_tokens)
+                        if ref_model is not None else None)
+        # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss with a per-rollout upper bound)
+        update_rows = []
+        with timers("train"):
+            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
+                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
+                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
+                        "approx_kl": 0.0, "entropy": 0.0}
+                per_c = torch.zeros(3, G + 1)  # (clipped units, units, sum |ratio - 1|) of off-policy A > 0 rows, by c
+                optimizer.zero_grad(set_to_none=True)
+                for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
+                    tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
+                                          [rollout.completion_ids[r] for r in micro], pad_id)
+                    logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
+                    T_m = logp.shape[1]
+                    micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
+                    ready = old_ready[micro].unsqueeze(1).to(logp.device)
+                    old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
+                    ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
+                    loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
+                                                      args.clip_low, eps_high[micro].to(logp.device), args.clip_level,
+                                                      ref, args.beta)
+                    weight = common.accumulation_weight(loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    (loss * weight).backward()
+                    n_tok = micro_mask.sum().item()
+                    clip_w = n_tok / mb_tokens if args.clip_level == "token" else len(micro) / len(mb_rows)  # token / seq
+                    sums["policy_loss"] += loss.item() * weight
+                    for k in ("clipfrac", "clipfrac_low", "clipfrac_high"):
+                        sums[k] += stats[k] * clip_w
+                    sums["approx_kl"] += stats["approx_kl"] * n_tok / mb_tokens
+                    sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
+                    sel = positive[micro] & old_ready[micro]  # (b,) correct rows trained off-policy (ratio can move)
+                    c_sel = n_correct[micro][sel]  # (n_sel,) their c
+                    for j, key in enumerate(("clipped", "units", "abs_dev")):
+                        per_c[j].index_add_(0, c_sel, stats["rows"][key][sel].float())
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if not torch.isfinite(grad_norm):
+                    raise RuntimeError(f"non-finite gradient norm at step {step} (update {update + 1}); "
+                                       "lower --learning-rate or check the data; the last checkpoint is intact")
+                optimizer.step()
+                scheduler.step()
+                update += 1
+                row = {f"losses/{k}": v for k, v in sums.items()} | {
+                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
+                    "update": update}
+                for c in range(G + 1):  # per-c diagnostics (the paper's plots); only c values present off-policy
+                    if per_c[1, c] > 0:
+                        row[f"gapo/clipfrac_c{c}"] = (per_c[0, c] / per_c[1, c]).item()
+                        row[f"gapo/ratio_absdev_c{c}"] = (per_c[2, c] / per_c[1, c]).item()  # mean |ratio - 1|
+                update_rows.append(row)
+        update_rows[0] |= {"gapo/pos_adv_frac": positive.float().mean().item(),  # share of rollouts with A > 0
+                           "gapo/eps_high_pos_mean": eps_high[positive].mean().item() if positive.any() else 0.0}
+        # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint
+        step_time = sum(timers.step.values())
+        n_completion_tokens = int(mask.sum().item())
+        rollout_row = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/reward_std": rewards.std().item() if B > 1 else 0.0,
+            "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
+            "rollout/response_len_mean": n_completion_tokens / B,
+            "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
+            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["sync"], "perf/reward_s": timers.step["reward"],
+            "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
+            "perf/peak_mem_gb": common.peak_memory_gb(device),
+        }
+        engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
+        if engine_diff is not None:
+            rollout_row["perf/engine_logp_diff"], rollout_row["perf/engine_logp_diff_max"] = engine_diff
+        for i, row in enumerate(update_rows):
+            logger.log({"step": step, **row, "wall_s": time.time() - t_start, **(rollout_row if i == 0 else {})})
+        line_row = {**rollout_row, **update_rows[-1]}
+        tqdm.write(common.console_line(step, args.total_steps, line_row, [
+            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
+            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        bar.update(1)
+        if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
+            eval_after = run_eval(step)
+        if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
+            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
+                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
+                "eval_before": eval_before, "timers": dict(timers.total)})
+    bar.close()
+    wall = time.time() - t_start
+    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+                         eval_before, eval_after, timers.total, wall)
+    logger.close()
+
+
+if __name__ == "__main__":
+    common.run_cli(main, Args)
