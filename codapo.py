@@ -349,10 +349,10 @@ def main(args: Args) -> None:
         weights = codapo_weights(rewards, seq_mean_logp, G, args.codapo_offset)  # (P,) w_q = c_q * 4p(1-p) + offset
         advantages = compute_advantages(rewards, G, weights if args.codapo_weighting else None,
                                         args.codapo_std_eps)  # (B,) A_i = w_q (r_i - mean) / (std + eps)
-        p = success_rate(rewards, G)  # (P,) p_q
+        p_q = success_rate(rewards, G)  # (P,) success rate per group
         codapo_row = {"codapo/weight_mean": weights.mean().item(), "codapo/weight_max": weights.max().item(),
                       "codapo/confidence_mean": codapo_confidence(seq_mean_logp, G).mean().item(),
-                      "codapo/learnable_frac": ((p > 0) & (p < 1)).float().mean().item(),
+                      "codapo/learnable_frac": ((p_q > 0) & (p_q < 1)).float().mean().item(),
                       "codapo/focused_step": float(focused),
                       f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item()}
         if not focused:  # broad step: pick what the next (focused) step re-rolls from the updated policy

@@ -952,8 +952,9 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int
 @torch.no_grad()
 def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
                 token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
-    """No-grad per-token log-probs (len(rows), T_max) for `rows` of the rollout, in micro-batches."""
-    T = max(1, max(len(rollout.completion_ids[r]) for r in rows))
+    """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
+    completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
+    T = max(1, max(len(c) for c in rollout.completion_ids))
     out = torch.zeros((len(rows), T), dtype=torch.float32)
     lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(len(rollout.prompt_ids))]
     position = {r: i for i, r in enumerate(rows)}

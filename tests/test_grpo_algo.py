@@ -198,3 +198,13 @@ def test_arith_train_and_eval_disjoint_and_tiers_mixed():
     assert {p["tier"] for p in test.problems} == set(range(common.ARITH_TIERS))
     for p in test.problems[:50]:
         assert eval(p["question"][len("What is "):-1]) == int(p["answer"])
+
+
+def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
+    tok, model = tiny
+    ro = common.RolloutBatch(prompt_ids=[[2, 10], [2, 11], [2, 12]], completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
+                             texts=["", "", ""], finish_reasons=["length", "stop", "stop"])
+    later = common.batch_logps(model, ro, [1, 2], tok.pad_token_id, 1.0, token_budget=64)  # longest row excluded
+    assert later.shape == (2, common.completion_mask_of(ro).shape[1]) == (2, 4)
+    full = common.batch_logps(model, ro, range(3), tok.pad_token_id, 1.0, token_budget=64)
+    assert torch.allclose(full[1:], later, atol=1e-5)
