@@ -368,7 +368,7 @@ def main(args: Args) -> None:
                         per_c[j].index_add_(0, c_sel, stats["rows"][key][sel].float())
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 if not torch.isfinite(grad_norm):
-                    raise RuntimeError(f"non-finite gradient norm at step {step} (update {update + 1}); "
+                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
                                        "lower --learning-rate or check the data; the last checkpoint is intact")
                 optimizer.step()
                 scheduler.step()
