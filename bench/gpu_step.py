@@ -1,0 +1,235 @@
+"""Tokens/s, peak GPU memory and MFU of grpo.py's training step for a 0.5B-1.5B model (issue 8, item 5).
+
+The device machine has no network and the working tree travels with at most 64 MiB, so no real checkpoint can
+reach it. The model is therefore built from its published config (Qwen2.5-0.5B / -1.5B, written out below) with
+random bf16 weights. Time and memory of a forward/backward do not depend on the weight values, and the random
+model almost never samples its EOS, so every completion has the full length (the script counts them anyway).
+`--model PATH` uses a real local checkpoint instead.
+
+What runs is the code path of every method script:
+- generation: `common.HFEngine` (transformers `generate`, batched, KV cache);
+- training: `common.micro_batches` + `common.completion_logps` (chunked, checkpointed LM head) +
+  `grpo.compute_policy_loss` (token-mean, clip 0.2) + backward;
+- the optimizer: `common.make_optimizer` (fused AdamW) + grad clipping.
+
+MFU = model FLOPs of the forward+backward / (time x peak bf16 dense FLOP/s of the device). Model FLOPs per
+training token: 6 x (parameters of all linear layers of the decoder) + 6 x n_layers x d_attn x L
+(causal attention: the QK^T and AV products over the L-token row, halved for the causal mask, x3 for the
+backward), plus 6 x vocab x hidden per *completion* token for the LM head (only completion positions go
+through it). Recomputation (the checkpointed LM head, --gradient-checkpointing) is not counted, as in the
+PaLM definition of MFU.
+
+    python bench/gpu_step.py                                  # both configs, defaults below (about 4 minutes on an H200)
+    python bench/gpu_step.py --configs tiny --device cpu      # a few seconds: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import grpo  # noqa: E402
+
+# Published configs (config.json of the hub repos), only the fields that set the shapes.
+CONFIGS = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True,
+                 max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6),
+}
+
+# bf16 dense peak FLOP/s (vendor data sheets, no sparsity)
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.05, "L4": 121.0, "A10G": 70.0}
+
+
+class RandomIdTokenizer:
+    """What HFEngine needs from a tokenizer, for a model without one: ids in, a placeholder text out."""
+
+    def __init__(self, vocab_size: int):
+        self.eos_token_id = vocab_size - 1
+        self.pad_token_id = vocab_size - 2
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return f"<{len(ids)} tokens>"
+
+
+def build_model(name: str, model_path: str, device: torch.device, dtype: torch.dtype, grad_ckpt: bool):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if model_path:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = common.load_tokenizer(model_path)
+    else:
+        config = Qwen2Config(**CONFIGS[name], use_cache=False)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        tokenizer = RandomIdTokenizer(config.vocab_size)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.to(device)
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, tokenizer
+
+
+def linear_params(model) -> tuple[int, int]:
+    """(parameters of the decoder's linear layers, parameters of the LM head)."""
+    head = model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not head)
+    return body, head.weight.numel()
+
+
+def train_flops(model, prompt_len: int, completion_len: int, rows: int) -> float:
+    cfg = model.config
+    body, head = linear_params(model)
+    L = prompt_len + completion_len
+    d_attn = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_token = 6 * body + 6 * cfg.num_hidden_layers * d_attn * L
+    return rows * (L * per_token + completion_len * 6 * head)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return common.peak_memory_gb(device)
+
+
+def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, tokenizer = build_model(name, a.model, device, dtype, a.gradient_checkpointing)
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    out = {"config": name if not a.model else a.model, "params_M": round(n_params / 1e6, 1), "dtype": str(dtype),
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+
+    # generation: gen_prompts x G rows through the HF engine
+    engine = common.HFEngine(model, tokenizer, gen_batch_size=a.gen_batch_size)
+    prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(a.gen_prompts)]
+    engine.generate(prompts[:1], 1, 4, 1.0, progress=False)  # warm-up (kernels, allocator)
+    sync(device)
+    t0 = time.perf_counter()
+    rollout = engine.generate(prompts, a.num_generations, a.gen_tokens, 1.0, progress=False)
+    sync(device)
+    gen_s = time.perf_counter() - t0
+    gen_tokens = sum(len(c) for c in rollout.completion_ids)
+    out.update(gen_rows=len(rollout.completion_ids), gen_tokens=gen_tokens, gen_s=round(gen_s, 2),
+               gen_tokens_per_s=round(gen_tokens / gen_s, 1), gen_peak_gb=round(peak_gb(device), 2))
+    del rollout
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    # training: rows of prompt_len + completion_len tokens, every completion token real
+    rows = a.train_rows
+    prompt_ids = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(rows)]
+    completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
+    lengths = [a.prompt_len + a.completion_len] * rows
+    advantages = torch.randn(rows, generator=gen)
+    optimizer, _ = common.make_optimizer(model, 1e-6, 0.0, 1)
+    fwd_bwd, opt_s = [], []
+    for rep in range(a.repeats + 1):  # the first pass warms up and is not counted
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        t0 = time.perf_counter()
+        micro = common.micro_batches(list(range(rows)), lengths, a.micro_batch_tokens)
+        for mb in micro:
+            tb = common.pad_batch([prompt_ids[r] for r in mb], [completion_ids[r] for r in mb], tokenizer.pad_token_id)
+            logp, _ = common.completion_logps(model, tb, 1.0, a.logp_chunk_tokens, with_entropy=False)
+            mask = tb.completion_mask.to(logp.device)
+            loss, _ = grpo.compute_policy_loss(logp, logp.detach(), advantages[mb].to(logp.device), mask)
+            (loss * len(mb) / rows).backward()
+        sync(device)
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        sync(device)
+        t2 = time.perf_counter()
+        if rep:
+            fwd_bwd.append(t1 - t0)
+            opt_s.append(t2 - t1)
+    t_fb = statistics.median(fwd_bwd)
+    flops = train_flops(model, a.prompt_len, a.completion_len, rows)
+    train_tokens = rows * (a.prompt_len + a.completion_len)
+    out.update(train_rows=rows, micro_batches=len(micro), row_tokens=a.prompt_len + a.completion_len,
+               fwd_bwd_s=round(t_fb, 3), fwd_bwd_s_min=round(min(fwd_bwd), 3), fwd_bwd_s_max=round(max(fwd_bwd), 3),
+               optimizer_s=round(statistics.median(opt_s), 3),
+               train_tokens_per_s=round(train_tokens / t_fb, 1),
+               step_tokens_per_s=round(train_tokens / (t_fb + statistics.median(opt_s)), 1),
+               model_tflop_per_step=round(flops / 1e12, 2), achieved_tflops=round(flops / t_fb / 1e12, 1),
+               train_peak_gb=round(peak_gb(device), 2))
+    out["mfu"] = round(flops / t_fb / (peak_tflops * 1e12), 4) if peak_tflops else None
+    del model, optimizer, engine
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=sorted(CONFIGS))
+    p.add_argument("--model", default="", help="a local checkpoint folder instead of a random-weight config")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gen-prompts", type=int, default=16)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--gen-tokens", type=int, default=256)
+    p.add_argument("--gen-batch-size", type=int, default=128)
+    p.add_argument("--train-rows", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=512)
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--logp-chunk-tokens", type=int, default=4096)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 dense peak; detected for known GPUs")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_step.json (default $OUT)")
+    a = p.parse_args()
+
+    device = torch.device(a.device)
+    peak = a.peak_tflops
+    if peak is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name()
+        peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__}, device "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, peak bf16 {peak} TFLOP/s", flush=True)
+    results = []
+    for name in ([a.model] if a.model else a.configs):
+        r = run_config(name, a, device, peak)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    keys = ["config", "params_M", "gen_tokens_per_s", "gen_peak_gb", "fwd_bwd_s", "optimizer_s", "train_tokens_per_s",
+            "achieved_tflops", "mfu", "train_peak_gb"]
+    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in results:
+        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gpu_step.json"), "w") as f:
+            json.dump({"args": vars(a), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
