@@ -6,7 +6,7 @@
 Runs are grouped by method (`exp_name` in args.json) and configuration (every argument except the seed and
 the bookkeeping ones such as run name and output folder). Runs of different configurations are never
 averaged together: they become separate rows, and the table lists the settings that differ between rows.
-Plots (reward and eval pass@1 against step and against wall time, one colour per row, a band over seeds)
+Plots (reward and eval pass@1 against optimizer updates and against wall time, one colour per row, a band over seeds)
 need matplotlib; without it the table still prints and the script says so.
 """
 
@@ -169,8 +169,10 @@ def plot(groups: list[Group], out_dir: str, name: str) -> list[str]:
         print("matplotlib is not installed: no plots (pip install matplotlib); the table above is complete")
         return []
     os.makedirs(out_dir, exist_ok=True)
-    panels = [("rollout/reward_mean", "step", "training reward"), ("rollout/reward_mean", "wall_s", "training reward"),
-              ("eval/pass@1", "step", "eval pass@1"), ("eval/pass@1", "wall_s", "eval pass@1")]
+    # x = optimizer updates, not steps: a Mu-GRPO stage or a CoDaPO focused step holds a different number of
+    # updates than a grpo.py step, and updates are the budget the methods are compared at
+    panels = [("rollout/reward_mean", "update", "training reward"), ("rollout/reward_mean", "wall_s", "training reward"),
+              ("eval/pass@1", "update", "eval pass@1"), ("eval/pass@1", "wall_s", "eval pass@1")]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, xkey, title) in zip(axes.flat, panels):
@@ -193,8 +195,8 @@ def plot(groups: list[Group], out_dir: str, name: str) -> list[str]:
                 lows = [min(c[j][1] for c in curves) for j in range(length)]
                 highs = [max(c[j][1] for c in curves) for j in range(length)]
                 ax.fill_between(xs, lows, highs, color=colour, alpha=0.2)
-        ax.set_xlabel("step" if xkey == "step" else "wall time (s)")
-        ax.set_title(f"{title} vs {'step' if xkey == 'step' else 'wall time'}")
+        ax.set_xlabel("optimizer updates" if xkey == "update" else "wall time (s)")
+        ax.set_title(f"{title} vs {'updates' if xkey == 'update' else 'wall time'}")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle("band: min-max over seeds")

@@ -208,3 +208,19 @@ def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
     assert later.shape == (2, common.completion_mask_of(ro).shape[1]) == (2, 4)
     full = common.batch_logps(model, ro, range(3), tok.pad_token_id, 1.0, token_budget=64)
     assert torch.allclose(full[1:], later, atol=1e-5)
+
+
+def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
+    # One AdamW step (betas 0.9/0.99, eps 1e-8, no weight decay) from zero state moves every weight by
+    # lr * m_hat / (sqrt(v_hat) + eps) = lr * g / (|g| + eps): about -lr * sign(g). Warm-up 2 -> lr/2 at update 0.
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -2.0]]))
+    optimizer, scheduler = common.make_optimizer(model, lr=0.1, weight_decay=0.0, warmup_updates=2)
+    assert optimizer.defaults["fused"] is True  # CPU fp32 parameters take the fused kernel
+    model.weight.grad = torch.tensor([[0.5, -4.0]])
+    optimizer.step()
+    scheduler.step()
+    expected = torch.tensor([[1.0 - 0.05 * 0.5 / (0.5 + 1e-8), -2.0 + 0.05 * 4.0 / (4.0 + 1e-8)]])
+    assert torch.allclose(model.weight.detach(), expected, atol=1e-7)
+    assert scheduler.get_last_lr()[0] == pytest.approx(0.1)  # warm-up over after 2 updates
