@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass, field
 
 # arguments that do not change what a run computes, so runs differing only in these are seeds of one config
+ABSENT = "<absent>"
 BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only"}
 
 
@@ -78,15 +79,22 @@ def group_runs(runs: list[Run]) -> list[Group]:
 
 
 def differing_settings(groups: list[Group]) -> dict[str, list]:
-    """Settings (excluding exp_name) whose value is not the same in every row."""
+    """Settings (excluding exp_name) whose value is not the same in every row, as {key: [value or ABSENT per row]}.
+
+    A setting that only some methods have (e.g. GAPO's clip_high_max) is compared among the rows that have it:
+    it is listed when those rows disagree, or when some runs of one method have it and others do not."""
     configs = [dict(g.config) for g in groups]
     keys = sorted(set().union(*configs)) if configs else []
     out = {}
     for k in keys:
         if k == "exp_name":
             continue
-        values = [c.get(k, "<absent>") for c in configs]
-        if len(set(values)) > 1:
+        values = [c.get(k, ABSENT) for c in configs]
+        present = {v for v in values if v != ABSENT}
+        has_key = {}  # method -> set of booleans "this row has the key"
+        for g, v in zip(groups, values):
+            has_key.setdefault(g.method, set()).add(v != ABSENT)
+        if len(present) > 1 or any(len(flags) > 1 for flags in has_key.values()):
             out[k] = values
     return out
 
@@ -140,7 +148,11 @@ def table(groups: list[Group]) -> str:
         cells += [fmt(mean_std(walls), n, 0), fmt(mean_std(phases["rollout"]), n, 0), fmt(mean_std(phases["train"]), n, 0),
                   fmt(mean_std(phases["sync"]), n, 1), fmt(mean_std(other), n, 0)]
         if diff:
-            cells.append(", ".join(f"{k}={json.loads(v[i]) if v[i] != '<absent>' else v[i]}" for k, v in diff.items()))
+            # a row shows the settings it has; a missing one only when another run of the same method has it
+            same_method = [j for j, h in enumerate(groups) if h.method == g.method]
+            cells.append(", ".join(
+                f"{k}={json.loads(v[i])}" if v[i] != ABSENT else f"{k}={ABSENT}" for k, v in diff.items()
+                if v[i] != ABSENT or any(v[j] != ABSENT for j in same_method)))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

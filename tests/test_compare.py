@@ -11,11 +11,11 @@ import pytest
 import compare
 
 
-def make_run(root, name, exp, seed, before, after, lr=1e-5, wall=100.0):
+def make_run(root, name, exp, seed, before, after, lr=1e-5, wall=100.0, extra=None):
     d = root / name
     d.mkdir()
     (d / "args.json").write_text(json.dumps({"exp_name": exp, "seed": seed, "learning_rate": lr, "run_name": name,
-                                             "output_dir": str(root)}))
+                                             "output_dir": str(root), **(extra or {})}))
     rows = [{"step": 0, "update": 0, "wall_s": 5.0, "eval/pass@1": before, "eval/pass@4": before + 0.2},
             {"step": 1, "update": 1, "wall_s": 50.0, "rollout/reward_mean": 0.1, "perf/rollout_s": 20.0,
              "perf/train_s": 25.0, "perf/sync_s": 0.5},
@@ -56,6 +56,22 @@ def test_mismatched_configurations_are_not_averaged(tmp_path, capsys):
     assert len(rows) == 2  # two rows, not one averaged row
     assert "learning_rate=1e-05" in rows[0] and "learning_rate=3e-05" in rows[1]
     assert "grpo has 2 configurations" in out and "rows differ in: learning_rate" in out
+
+
+def test_method_specific_settings_listed_only_where_they_differ(tmp_path, capsys):
+    # clip_high_max exists only in gapo's args: not a difference. clip_low exists in both methods and differs.
+    make_run(tmp_path, "gapo_s1", "gapo", 1, 0.2, 0.4, extra={"clip_high_max": 0.28, "clip_low": 0.2})
+    make_run(tmp_path, "mugrpo_s1", "mugrpo", 1, 0.2, 0.4, extra={"veto_scope": "suffix", "clip_low": 1.0})
+    compare.main([str(tmp_path / "*"), "--no-plot"])
+    out = capsys.readouterr().out
+    assert "rows differ in: clip_low\n" in out + "\n"
+    gapo_line = next(line for line in out.splitlines() if line.startswith("| gapo"))
+    assert gapo_line.rstrip(" |").endswith("clip_low=0.2") and "veto_scope" not in gapo_line
+    # the same method with and without a setting (e.g. runs from two versions of the script): flagged
+    make_run(tmp_path, "gapo_s2", "gapo", 2, 0.2, 0.4, extra={"clip_low": 0.2})
+    compare.main([str(tmp_path / "gapo_*"), "--no-plot"])
+    out = capsys.readouterr().out
+    assert "rows differ in: clip_high_max" in out and "clip_high_max=<absent>" in out and "clip_high_max=0.28" in out
 
 
 def test_plots_written_and_missing_matplotlib_handled(tmp_path, capsys, monkeypatch):
