@@ -76,7 +76,8 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
     beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
-    micro_batch_tokens: int = arg(1024, "token budget (rows x padded length) of one forward/backward micro-batch")
+    micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
+                                             "0: 1024 on CPU, 16384 on a GPU")
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
@@ -246,6 +247,7 @@ def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
     common.set_cpu_threads()
     device = common.pick_device()
+    args.micro_batch_tokens = args.micro_batch_tokens or common.default_micro_batch_tokens(device)
     resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
     run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     common.seed_everything(args.seed)

@@ -99,6 +99,12 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def default_micro_batch_tokens(device: torch.device) -> int:
+    """`--micro-batch-tokens 0`: 1024 on CPU (bench/micro_batch.py: ~22% faster than 4096 and half the memory
+    there), 16384 on a GPU, where bigger micro-batches keep the device busy."""
+    return 16384 if device.type == "cuda" else 1024
+
+
 def set_cpu_threads() -> None:
     """Use every core on CPU (torch's default can be lower inside containers)."""
     if not torch.cuda.is_available():

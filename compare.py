@@ -20,8 +20,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-# arguments that do not change what a run computes, so runs differing only in these are seeds of one config
 ABSENT = "<absent>"
+# arguments that do not change what a run computes, so runs differing only in these are seeds of one config
 BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only"}
 
 
