@@ -56,7 +56,7 @@ class Args:
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
     beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
     micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
-                                             "0: 1024 on CPU, 16384 on a GPU")
+                                     "0: 1024 on CPU, 16384 on a GPU")
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
