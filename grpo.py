@@ -136,7 +136,7 @@ def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
     common.set_cpu_threads()
     device = common.pick_device()
-    args.micro_batch_tokens = args.micro_batch_tokens or common.default_micro_batch_tokens(device)
+    args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
     resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
     run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     common.seed_everything(args.seed)

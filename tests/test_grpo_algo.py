@@ -224,3 +224,11 @@ def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
     expected = torch.tensor([[1.0 - 0.05 * 0.5 / (0.5 + 1e-8), -2.0 + 0.05 * 4.0 / (4.0 + 1e-8)]])
     assert torch.allclose(model.weight.detach(), expected, atol=1e-7)
     assert scheduler.get_last_lr()[0] == pytest.approx(0.1)  # warm-up over after 2 updates
+
+
+def test_micro_batch_tokens_auto_and_bad_value():
+    assert common.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
+    assert common.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
+    assert common.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
+    with pytest.raises(common.UserError, match="--micro-batch-tokens must be >= 0"):
+        common.resolve_micro_batch_tokens(-1, torch.device("cpu"))
