@@ -110,12 +110,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def peak_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return common.peak_memory_gb(device)
-
-
 def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cuda":
@@ -139,7 +133,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     gen_s = time.perf_counter() - t0
     gen_tokens = sum(len(c) for c in rollout.completion_ids)
     out.update(gen_rows=len(rollout.completion_ids), gen_tokens=gen_tokens, gen_s=round(gen_s, 2),
-               gen_tokens_per_s=round(gen_tokens / gen_s, 1), gen_peak_gb=round(peak_gb(device), 2))
+               gen_tokens_per_s=round(gen_tokens / gen_s, 1), gen_peak_gb=round(common.peak_memory_gb(device), 2))
     del rollout
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -182,7 +176,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
                train_tokens_per_s=round(train_tokens / t_fb, 1),
                step_tokens_per_s=round(train_tokens / (t_fb + statistics.median(opt_s)), 1),
                model_tflop_per_step=round(flops / 1e12, 2), achieved_tflops=round(flops / t_fb / 1e12, 1),
-               train_peak_gb=round(peak_gb(device), 2))
+               train_peak_gb=round(common.peak_memory_gb(device), 2))
     out["mfu"] = round(flops / t_fb / (peak_tflops * 1e12), 4) if peak_tflops else None
     del model, optimizer, engine
     return out

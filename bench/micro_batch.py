@@ -23,15 +23,7 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
-from scaling import OthersLoad, peak_rss_gb, reset_peak_rss, wait_quiet  # noqa: E402
-
-
-def rss_gb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wait_quiet  # noqa: E402
 
 
 def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages) -> dict:
@@ -47,7 +39,7 @@ def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages)
 
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     wait_quiet(300)
-    base = rss_gb()
+    base = proc_status_gb("VmRSS")
     reset_peak_rss()
     others = OthersLoad().__enter__()
     t0 = time.perf_counter()

@@ -36,12 +36,17 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_gb() -> float:
+def proc_status_gb(field: str) -> float:
+    """A memory field of /proc/self/status in GB: VmHWM (peak resident, resettable) or VmRSS (current)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 2**20
     return float("nan")
+
+
+def peak_rss_gb() -> float:
+    return proc_status_gb("VmHWM")
 
 
 def _busy_jiffies() -> tuple[int, int]:
