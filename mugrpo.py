@@ -367,12 +367,14 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 update += 1
-                mu_row = {
+                mu_row = {  # a ratio with no data (no A<0 token in the mini-batch) is left out of the row, never null
                     "mugrpo/staleness": staleness,
-                    "mugrpo/neg_ratio_mean": diag["neg_ratio_sum"] / diag["neg_tokens"] if diag["neg_tokens"] else None,
-                    "mugrpo/triggered_frac": diag["triggered_resp"] / diag["neg_resp"] if diag["neg_resp"] else None,
                     "mugrpo/vetoed_token_frac": diag["vetoed_tokens"] / max(mb_tokens, 1.0),
                 }
+                if diag["neg_tokens"]:
+                    mu_row["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
+                if diag["neg_resp"]:
+                    mu_row["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
                 if staleness == 0:  # split of the stage's engine switch, both parts of perf/sync_s
                     mu_row |= {"perf/wake_s": wake_s, "perf/sleep_s": sleep_s}
                 update_rows.append({f"losses/{k}": v for k, v in sums.items()} | mu_row | {

@@ -79,6 +79,8 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
     assert len(train_rows) >= 2 and len(eval_rows) == 2  # before and after
     for key in TRAIN_KEYS:
         assert key in train_rows[0], key
+    for row in rows:  # a metric with no data is left out of its row (README "Outputs"), never written as null
+        assert None not in row.values(), row
     for key in EVAL_KEYS:
         assert key in eval_rows[0], key
     assert os.path.exists(tmp_path / "smoke" / "args.json")
