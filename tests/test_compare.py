@@ -1,4 +1,5 @@
-"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged,
+"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged, eval curves,
+--metric (exact and glob, absent rows), --baseline paired per-seed differences,
 plots with and without matplotlib."""
 
 import builtins
