@@ -2,25 +2,32 @@
 
     python compare.py runs/*                      # every run folder under runs/
     python compare.py runs/grpo__s1 runs/gapo__s1 --plot-dir plots --plot-name study
+    python compare.py runs/study_* --metric 'gapo/clipfrac_c*' --metric mugrpo/vetoed_token_frac --baseline grpo
 
 Runs are grouped by method (`exp_name` in args.json) and configuration (every argument except the seed and
 the bookkeeping ones such as run name and output folder). Runs of different configurations are never
 averaged together: they become separate rows, and the table lists the settings that differ between rows.
 Plots (reward and eval pass@1 against optimizer updates and against wall time, one colour per row, a band over seeds)
-need matplotlib; without it the table still prints and the script says so.
+need matplotlib; without it the table still prints and the script says so. Runs that evaluate during training
+(--eval-every) get eval curves. --metric NAME_OR_GLOB adds a curve and a final-value column per matching logged
+key; --baseline NAME adds paired per-seed differences (method - baseline) of the final values. See docs/compare.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import fnmatch
 import glob
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
 ABSENT = "<absent>"
+BANDS = {"minmax": "min-max over seeds", "std": "mean +- sample std over seeds"}
 # arguments that do not change what a run computes, so runs differing only in these are seeds of one config
 BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only"}
 
@@ -40,7 +47,7 @@ class Run:
         return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in self.args.items() if k not in BOOKKEEPING))
 
     def evals(self) -> list[dict]:
-        return [r for r in self.rows if "eval/pass@1" in r]
+        return [r for r in self.rows if any(is_eval_key(k) for k in r)]
 
     def training(self) -> list[dict]:
         return [r for r in self.rows if "rollout/reward_mean" in r]
@@ -55,6 +62,16 @@ class Group:
     @property
     def label(self) -> str:
         return self.method
+
+
+def is_eval_key(key: str) -> bool:
+    """eval/pass@k, and per-set or per-tier variants such as eval/<set>/pass@k or eval/pass@1/tier3."""
+    return key.startswith("eval/") and "pass@" in key
+
+
+def number(v) -> float | None:
+    """A plottable value; None for a missing, null, non-numeric or NaN entry."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
 
 
 def load_run(path: str) -> Run | None:
@@ -119,7 +136,7 @@ def pass_keys(groups: list[Group]) -> list[str]:
     for g in groups:
         for r in g.runs:
             for row in r.evals():
-                keys.update(k for k in row if k.startswith("eval/pass@") and k != "eval/pass@1")
+                keys.update(k for k in row if re.fullmatch(r"eval/pass@\d+", k) and k != "eval/pass@1")
     return sorted(keys, key=lambda k: int(k.split("@")[1]))
 
 
@@ -171,7 +188,93 @@ def warnings_for(groups: list[Group]) -> list[str]:
     return out
 
 
-def plot(groups: list[Group], out_dir: str, name: str) -> list[str]:
+def logged_keys(groups: list[Group]) -> list[str]:
+    return sorted({k for g in groups for r in g.runs for row in r.rows for k, v in row.items() if number(v) is not None})
+
+
+def nan_notes(groups: list[Group], keys: list[str]) -> list[str]:
+    """NaN entries are left out of curves and final values; say where, so a broken run is not hidden."""
+    out = []
+    for k in keys:
+        bad = [f"{r.path} ({sum(1 for row in r.rows if row.get(k) != row.get(k))} rows)" for g in groups for r in g.runs
+               if any(row.get(k) != row.get(k) for row in r.rows)]
+        if bad:
+            out.append(f"note: {k} is NaN in {', '.join(bad)}; those rows are left out")
+    return out
+
+
+def eval_keys(groups: list[Group]) -> list[str]:
+    """Every evaluation key: eval/pass@1, eval/pass@k by k, then per-set / per-tier keys by name."""
+    found = {k for k in logged_keys(groups) if is_eval_key(k)}
+    top = [k for k in ["eval/pass@1"] + pass_keys(groups) if k in found]
+    return top + sorted(found - set(top))
+
+
+def select_metrics(groups: list[Group], patterns: list[str]) -> list[str]:
+    """Logged keys named exactly, or matching a glob (fnmatch: * also matches '/'); a pattern matching nothing fails."""
+    keys, out = logged_keys(groups), []
+    for pattern in patterns:
+        matched = [pattern] if pattern in keys else [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
+        if not matched:
+            close = difflib.get_close_matches(pattern, keys, n=3, cutoff=0.5)
+            raise ValueError(f"--metric {pattern!r} matches no logged key" + (f" (close: {', '.join(close)})" if close else ""))
+        out += [k for k in matched if k not in out]
+    return out
+
+
+def curve(group: Group, key: str, band: str = "minmax") -> list[tuple]:
+    """`key` against updates for one group: at each update, the mean over the seeds that logged the key there, and
+    the band (min-max, or mean +- sample std) over those seeds. Rows without the key are skipped.
+    Returns [(update, mean wall_s, mean, low, high, n seeds)]."""
+    at: dict[int, list[tuple[float, float]]] = {}
+    for r in group.runs:
+        points = {row["update"]: (row["wall_s"], number(row.get(key))) for row in r.rows
+                  if "update" in row and "wall_s" in row and number(row.get(key)) is not None}  # a repeat: the last wins
+        for u, p in points.items():
+            at.setdefault(u, []).append(p)
+    out = []
+    for u in sorted(at):
+        walls, vals = [p[0] for p in at[u]], [p[1] for p in at[u]]
+        m, s = mean_std(vals)
+        low, high = (min(vals), max(vals)) if band == "minmax" else (m - s, m + s)
+        out.append((u, sum(walls) / len(walls), m, low, high, len(vals)))
+    return out
+
+
+def figure(plt, groups: list[Group], keys: list[str], band: str, path: str) -> str:
+    """One row of panels per key: against optimizer updates (left) and wall time (right), one colour per group."""
+    # x = optimizer updates, not steps: a Mu-GRPO stage or a CoDaPO focused step holds a different number of
+    # updates than a grpo.py step, and updates are the budget the methods are compared at
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.5 * len(keys)), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key, row in zip(keys, axes):
+        for ax, xi, xlabel in ((row[0], 0, "optimizer updates"), (row[1], 1, "wall time (s)")):
+            for i, g in enumerate(groups):
+                pts = curve(g, key, band)
+                if not pts:
+                    continue
+                xs = [p[xi] for p in pts]
+                n = max(p[5] for p in pts)
+                ax.plot(xs, [p[2] for p in pts], color=colours[i % len(colours)], label=f"{g.label} (n={n})",
+                        marker="o" if key.startswith("eval") else None)
+                if n > 1:
+                    ax.fill_between(xs, [p[3] for p in pts], [p[4] for p in pts], color=colours[i % len(colours)], alpha=0.2)
+            ax.set_xlabel(xlabel)
+            ax.set_title(f"{key} vs {'updates' if xi == 0 else 'wall time'}", fontsize=9)
+            ax.grid(alpha=0.3)
+    labelled = [ax for ax in axes.flat if ax.get_legend_handles_labels()[0]]
+    if labelled:
+        labelled[0].legend(fontsize=8)
+    fig.suptitle(f"mean over seeds, band: {BANDS[band]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot(groups: list[Group], out_dir: str, name: str, metrics: list[str] = (), band: str = "minmax") -> list[str]:
+    """<name>.png (reward and eval pass@1); <name>_eval.png (every eval key) when a run has more than two eval rows;
+    <name>_<metric>.png per --metric key."""
     try:
         import matplotlib
 
@@ -181,42 +284,83 @@ def plot(groups: list[Group], out_dir: str, name: str) -> list[str]:
         print("matplotlib is not installed: no plots (pip install matplotlib); the table above is complete")
         return []
     os.makedirs(out_dir, exist_ok=True)
-    # x = optimizer updates, not steps: a Mu-GRPO stage or a CoDaPO focused step holds a different number of
-    # updates than a grpo.py step, and updates are the budget the methods are compared at
-    panels = [("rollout/reward_mean", "update", "training reward"), ("rollout/reward_mean", "wall_s", "training reward"),
-              ("eval/pass@1", "update", "eval pass@1"), ("eval/pass@1", "wall_s", "eval pass@1")]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (key, xkey, title) in zip(axes.flat, panels):
-        for i, g in enumerate(groups):
-            colour = colours[i % len(colours)]
-            curves = []
-            for r in g.runs:
-                pts = [(row[xkey], row[key]) for row in r.rows if key in row and xkey in row]
-                if pts:
-                    curves.append(pts)
-            if not curves:
-                continue
-            # align seeds by point index (same schedule within a configuration)
-            length = min(len(c) for c in curves)
-            xs = [sum(c[j][0] for c in curves) / len(curves) for j in range(length)]
-            stats = [mean_std([c[j][1] for c in curves]) for j in range(length)]
-            means = [s[0] for s in stats]
-            ax.plot(xs, means, color=colour, label=f"{g.label} (n={len(curves)})", marker="o" if key.startswith("eval") else None)
-            if len(curves) > 1:
-                lows = [min(c[j][1] for c in curves) for j in range(length)]
-                highs = [max(c[j][1] for c in curves) for j in range(length)]
-                ax.fill_between(xs, lows, highs, color=colour, alpha=0.2)
-        ax.set_xlabel("optimizer updates" if xkey == "update" else "wall time (s)")
-        ax.set_title(f"{title} vs {'updates' if xkey == 'update' else 'wall time'}")
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("band: min-max over seeds")
-    fig.tight_layout()
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return [path]
+    paths = [figure(plt, groups, ["rollout/reward_mean", "eval/pass@1"], band, os.path.join(out_dir, f"{name}.png"))]
+    if any(len(r.evals()) > 2 for g in groups for r in g.runs):
+        paths.append(figure(plt, groups, eval_keys(groups), band, os.path.join(out_dir, f"{name}_eval.png")))
+    for key in metrics:
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+        paths.append(figure(plt, groups, [key], band, os.path.join(out_dir, f"{name}_{safe}.png")))
+    return paths
+
+
+def final_value(run: Run, key: str) -> float | None:
+    """The value in the last row that has the key, after training started (step > 0: not the eval before training)."""
+    vals = [number(row.get(key)) for row in run.rows if row.get("step", 0) > 0 and number(row.get(key)) is not None]
+    return vals[-1] if vals else None
+
+
+def g4(x: float, sign: str = "") -> str:
+    return f"{x:{sign}.4g}"
+
+
+def final_table(groups: list[Group], keys: list[str]) -> str:
+    """Final value of each key, mean +- sample std over seeds (4 significant digits); n = seeds that have it."""
+    lines = ["| method | seeds | " + " | ".join(f"{k} final" for k in keys) + " |", "|" + "---|" * (len(keys) + 2)]
+    for g in groups:
+        cells = [g.label, str(len(g.runs))]
+        for k in keys:
+            vals = [v for v in (final_value(r, k) for r in g.runs) if v is not None]
+            ms = mean_std(vals)
+            cells.append("-" if ms is None else g4(ms[0]) + (f" +- {g4(ms[1])}" if len(vals) > 1 else "")
+                         + (f" (n={len(vals)})" if len(vals) != len(g.runs) else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def find_baseline(groups: list[Group], name: str) -> Group:
+    matches = [g for g in groups if name in (g.label, g.method)]
+    if not matches:
+        raise ValueError(f"--baseline {name!r} is none of the groups: {', '.join(sorted({g.label for g in groups}))}")
+    if len(matches) > 1:
+        raise ValueError(f"--baseline {name!r} matches {len(matches)} configurations; pass only the runs of one of them")
+    for g in groups:
+        seeds = [r.args.get("seed") for r in g.runs]
+        dup = sorted({str(s) for s in seeds if seeds.count(s) > 1})
+        if dup:
+            raise ValueError(f"{g.label} has more than one run with seed {', '.join(dup)}: cannot pair by seed")
+    return matches[0]
+
+
+def paired(method: Group, base: Group, key: str) -> dict:
+    """Per-seed differences method - baseline of the final value of `key`, matched by seed."""
+    a = {r.args.get("seed"): final_value(r, key) for r in method.runs}
+    b = {r.args.get("seed"): final_value(r, key) for r in base.runs}
+    both = [s for s in sorted(a, key=str) if s in b and a[s] is not None and b[s] is not None]
+    diffs = {s: a[s] - b[s] for s in both}
+    unmatched = [f"{s} ({method.label} only)" for s in sorted(a, key=str) if s not in b]
+    unmatched += [f"{s} ({base.label} only)" for s in sorted(b, key=str) if s not in a]
+    unmatched += [f"{s} (no value in {', '.join(lab for lab, d in ((method.label, a), (base.label, b)) if d[s] is None)})"
+                  for s in sorted(a, key=str) if s in b and s not in diffs]
+    return {"diffs": diffs, "mean_std": mean_std(list(diffs.values())), "positive": sum(d > 0 for d in diffs.values()),
+            "negative": sum(d < 0 for d in diffs.values()), "unmatched": unmatched}
+
+
+def paired_table(groups: list[Group], base: Group, keys: list[str]) -> str:
+    lines = [f"Paired per-seed differences of final values, method - {base.label} (mean +- sample std of the differences):",
+             "", "| method - baseline | metric | mean diff | per seed (seed: diff) | sign count | unmatched seeds |",
+             "|---|---|---|---|---|---|"]
+    for g in groups:
+        if g is base:
+            continue
+        for k in keys:
+            p = paired(g, base, k)
+            n, ms = len(p["diffs"]), p["mean_std"]
+            mean = "-" if ms is None else g4(ms[0], "+") + (f" +- {g4(ms[1])}" if n > 1 else "")
+            per_seed = ", ".join(f"{s}: {g4(d, '+')}" for s, d in p["diffs"].items()) or "-"
+            ties = n - p["positive"] - p["negative"]
+            sign = f"{p['positive']}/{n} positive" + (f", {ties} tied" if ties else "") if n else "-"
+            lines.append(f"| {g.label} - {base.label} | {k} | {mean} | {per_seed} | {sign} | {', '.join(p['unmatched']) or '-'} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot-dir", default="plots", help="where PNG curves go")
     parser.add_argument("--plot-name", default="compare", help="PNG file name (without .png)")
     parser.add_argument("--no-plot", action="store_true", help="table only")
+    parser.add_argument("--metric", action="append", default=[], metavar="NAME_OR_GLOB",
+                        help="logged key, exact or glob (e.g. 'gapo/clipfrac_c*'); repeatable: a curve and a final value each")
+    parser.add_argument("--baseline", metavar="NAME",
+                        help="group label or exp_name: paired per-seed differences of final values against it")
+    parser.add_argument("--band", choices=sorted(BANDS), default="minmax", help="band over seeds drawn around the mean")
     args = parser.parse_args(argv)
     paths = []
     for pattern in args.runs:
@@ -238,11 +387,21 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no run folder with a metrics.jsonl among the given paths", file=sys.stderr)
         return 2
     groups = group_runs(runs)
+    try:
+        metrics = select_metrics(groups, args.metric)
+        base = find_baseline(groups, args.baseline) if args.baseline else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(table(groups))
-    for w in warnings_for(groups):
+    for w in warnings_for(groups) + nan_notes(groups, eval_keys(groups) + metrics):
         print(w)
+    if metrics:
+        print("\n" + final_table(groups, metrics))
+    if base is not None:
+        print("\n" + paired_table(groups, base, eval_keys(groups) + [k for k in metrics if not is_eval_key(k)]))
     if not args.no_plot:
-        for path in plot(groups, args.plot_dir, args.plot_name):
+        for path in plot(groups, args.plot_dir, args.plot_name, metrics, args.band):
             print(f"wrote {path}")
     return 0
 

@@ -1,4 +1,5 @@
-"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged,
+"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged, eval curves,
+--metric (exact and glob, absent rows), --baseline paired per-seed differences,
 plots with and without matplotlib."""
 
 import builtins
@@ -98,3 +99,175 @@ def test_plots_written_and_missing_matplotlib_handled(tmp_path, capsys, monkeypa
 def test_no_runs_is_a_clear_error(tmp_path, capsys):
     assert compare.main([str(tmp_path / "nothing")]) == 2
     assert "no run folder" in capsys.readouterr().err
+
+
+# --- eval curves, --metric, --baseline (issue 15 item 2) ---
+
+def write_run(root, name, exp, seed, rows, extra=None):
+    d = root / name
+    d.mkdir()
+    (d / "args.json").write_text(json.dumps({"exp_name": exp, "seed": seed, "run_name": name, **(extra or {})}))
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(d)
+
+
+def groups_of(*paths):
+    return compare.group_runs([compare.load_run(p) for p in paths])
+
+
+def sparse_metric_runs(root):
+    # key "m/x" is absent from some rows (as mugrpo/triggered_frac is when there is no data); wall_s = 10 * update + seed
+    values = {1: {1: 0.1, 2: 0.3}, 2: {1: 0.3, 3: 0.5}, 3: {1: 0.8, 2: 0.7}}
+    paths = []
+    for seed, per_update in values.items():
+        rows = [{"step": u, "update": u, "wall_s": 10.0 * u + seed, "rollout/reward_mean": 0.0,
+                 **({"m/x": per_update[u]} if u in per_update else {})} for u in (1, 2, 3)]
+        paths.append(write_run(root, f"grpo_s{seed}", "grpo", seed, rows))
+    return paths
+
+
+def test_metric_curve_mean_band_and_absent_rows(tmp_path):
+    (g,) = groups_of(*sparse_metric_runs(tmp_path))
+    u1, u2, u3 = compare.curve(g, "m/x", "minmax")
+    # update 1: values 0.1, 0.3, 0.8 -> mean 0.4, band min-max [0.1, 0.8], 3 seeds, mean wall (11 + 12 + 13) / 3
+    assert u1 == pytest.approx((1, 12.0, 0.4, 0.1, 0.8, 3))
+    # update 2: seed 2 has no m/x there -> mean of 0.3 and 0.7 over 2 seeds; update 3: seed 2 only
+    assert u2 == pytest.approx((2, 22.0, 0.5, 0.3, 0.7, 2))
+    assert u3 == pytest.approx((3, 32.0, 0.5, 0.5, 0.5, 1))
+    # std band: update 1 sample std = sqrt((0.3^2 + 0.1^2 + 0.4^2) / 2) = sqrt(0.13) = 0.36056
+    s1, s2, _ = compare.curve(g, "m/x", "std")
+    assert s1[3:5] == pytest.approx((0.4 - math.sqrt(0.13), 0.4 + math.sqrt(0.13)))
+    assert s2[3:5] == pytest.approx((0.5 - math.sqrt(0.08), 0.5 + math.sqrt(0.08)))  # std of 0.3, 0.7 = 0.28284
+
+
+def test_metric_selection_by_name_and_glob(tmp_path, capsys):
+    row = {"step": 1, "update": 1, "wall_s": 1.0, "gapo/clipfrac_c0.2": 0.01, "gapo/clipfrac_c0.5": 0.02,
+           "gapo/ratio_absdev_c0.2": 0.1, "eval/pass@1/tier3": 0.5, "mugrpo/triggered_frac": None}
+    groups = groups_of(write_run(tmp_path, "gapo_s1", "gapo", 1, [row]))
+    assert compare.select_metrics(groups, ["gapo/clipfrac_c*"]) == ["gapo/clipfrac_c0.2", "gapo/clipfrac_c0.5"]
+    assert compare.select_metrics(groups, ["gapo/ratio_absdev_c0.2", "gapo/*_c0.2"]) == [
+        "gapo/ratio_absdev_c0.2", "gapo/clipfrac_c0.2"]  # exact name, then the glob's other match; no duplicates
+    assert compare.select_metrics(groups, ["eval/*tier3*"]) == ["eval/pass@1/tier3"]
+    with pytest.raises(ValueError, match="matches no logged key"):
+        compare.select_metrics(groups, ["mugrpo/triggered_frac"])  # only ever null: nothing to plot
+    assert compare.main([str(tmp_path / "gapo_s1"), "--metric", "gapo/clipfrc_c0.2", "--no-plot"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "close: gapo/clipfrac_c0.2" in err
+
+
+def test_final_value_table_over_seeds(tmp_path, capsys):
+    sparse_metric_runs(tmp_path)
+    assert compare.main([str(tmp_path / "*"), "--metric", "m/*", "--no-plot"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| grpo | 3 |"))
+    # last value of each seed: 0.3, 0.5, 0.7 -> mean 0.5, sample std 0.2
+    assert line == "| grpo | 3 | 0.5 +- 0.2 |"
+
+
+def eval_rows(finals, n_evals=2):
+    """Eval rows at updates 0, 2, ...; pass@1 rises linearly to `final` (the value of the last eval)."""
+    return [{"step": i, "update": 2 * i, "wall_s": 10.0 * i, "eval/pass@1": finals * i / (n_evals - 1),
+             "eval/pass@4": min(1.0, finals * i / (n_evals - 1) + 0.125)} for i in range(n_evals)]
+
+
+def test_paired_differences_against_baseline(tmp_path, capsys):
+    # finals are binary fractions so the differences are exact
+    for seed, final in {1: 0.5, 2: 0.25, 3: 0.75}.items():
+        write_run(tmp_path, f"grpo_s{seed}", "grpo", seed, eval_rows(final))
+    for seed, final in {1: 0.75, 2: 0.125, 4: 0.5}.items():  # seed 3 missing, seed 4 extra
+        rows = eval_rows(final) + [{"step": 1, "update": 1, "wall_s": 5.0, "gapo/clipfrac_c0.2": 0.01}]
+        write_run(tmp_path, f"gapo_s{seed}", "gapo", seed, rows)
+    for seed, final in {1: 0.625, 2: 0.375, 3: 0.875}.items():
+        write_run(tmp_path, f"mugrpo_s{seed}", "mugrpo", seed, eval_rows(final))
+    for seed, final in {1: 0.5, 2: 0.5, 3: 0.5}.items():
+        write_run(tmp_path, f"codapo_s{seed}", "codapo", seed, eval_rows(final))
+    assert compare.main([str(tmp_path / "*"), "--baseline", "grpo", "--metric", "gapo/clipfrac_c0.2", "--no-plot"]) == 0
+    lines = {tuple(c.strip() for c in x.strip("|").split("|")[:2]): x for x in capsys.readouterr().out.splitlines()
+             if " - grpo |" in x}
+    # gapo: seed 1 +0.25, seed 2 -0.125 -> mean +0.0625, std sqrt(2 * 0.1875^2) = 0.2652; seeds 3 and 4 unmatched
+    assert lines[("gapo - grpo", "eval/pass@1")] == (
+        "| gapo - grpo | eval/pass@1 | +0.0625 +- 0.2652 | 1: +0.25, 2: -0.125 | 1/2 positive | 4 (gapo only), 3 (grpo only) |")
+    # mugrpo: +0.125 for every seed; pass@4 = pass@1 + 0.125 in both, so the same differences
+    for key in ("eval/pass@1", "eval/pass@4"):
+        assert lines[("mugrpo - grpo", key)] == (
+            f"| mugrpo - grpo | {key} | +0.125 +- 0 | 1: +0.125, 2: +0.125, 3: +0.125 | 3/3 positive | - |")
+    # codapo: 0, +0.25, -0.25 -> mean 0, std 0.25, a tie is neither positive nor negative
+    assert lines[("codapo - grpo", "eval/pass@1")] == (
+        "| codapo - grpo | eval/pass@1 | +0 +- 0.25 | 1: +0, 2: +0.25, 3: -0.25 | 1/3 positive, 1 tied | - |")
+    # a key only gapo logs: nothing paired, every seed listed with the reason
+    assert lines[("gapo - grpo", "gapo/clipfrac_c0.2")] == (
+        "| gapo - grpo | gapo/clipfrac_c0.2 | - | - | - | 4 (gapo only), 3 (grpo only), "
+        "1 (no value in grpo), 2 (no value in grpo) |")
+    assert not any(k[0].startswith("grpo - ") for k in lines)
+
+
+def test_final_value_ignores_the_eval_before_training(tmp_path):
+    path = write_run(tmp_path, "crashed", "grpo", 1, eval_rows(0.5)[:1] + [{"step": 1, "update": 1, "wall_s": 1.0}])
+    run = compare.load_run(path)
+    assert run.evals() and compare.final_value(run, "eval/pass@1") is None
+    assert compare.final_value(compare.load_run(write_run(tmp_path, "ok", "grpo", 1, eval_rows(0.5, 3))),
+                               "eval/pass@1") == 0.5
+
+
+def test_baseline_errors_are_one_line(tmp_path, capsys):
+    write_run(tmp_path, "grpo_s1", "grpo", 1, eval_rows(0.5))
+    write_run(tmp_path, "grpo_lr", "grpo", 1, eval_rows(0.5), extra={"learning_rate": 3e-5})
+    write_run(tmp_path, "gapo_s1", "gapo", 1, eval_rows(0.5))
+    write_run(tmp_path, "gapo_s1b", "gapo", 1, eval_rows(0.25))
+    for argv, message in [(["--baseline", "ppo"], "is none of the groups: gapo, grpo"),
+                          (["--baseline", "grpo"], "matches 2 configurations"),
+                          (["--baseline", "gapo"], "more than one run with seed 1")]:
+        assert compare.main([str(tmp_path / "*"), "--no-plot", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_per_tier_and_per_set_eval_keys(tmp_path, capsys):
+    rows = eval_rows(0.5)
+    for r in rows:
+        r.update({"eval/pass@1/tier3": r["eval/pass@1"] / 2, "eval/math500/pass@1": r["eval/pass@1"]})
+    groups = groups_of(write_run(tmp_path, "grpo_s1", "grpo", 1, rows))
+    assert compare.eval_keys(groups) == ["eval/pass@1", "eval/pass@4", "eval/math500/pass@1", "eval/pass@1/tier3"]
+    assert compare.main([str(tmp_path / "*"), "--no-plot"]) == 0  # the old pass_keys parsed "1/tier3" as k and failed
+    assert "pass@4 after" in capsys.readouterr().out
+
+
+def test_eval_curves_and_metric_plots_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for seed in (1, 2):
+        rows = eval_rows(0.5 * seed, n_evals=4) + [
+            {"step": 1, "update": u, "wall_s": 5.0 * u, "rollout/reward_mean": 0.1 * u, "gapo/clipfrac_c0.2": 0.01 * u}
+            for u in (1, 2, 3)]
+        write_run(tmp_path, f"gapo_s{seed}", "gapo", seed, rows)
+    (g,) = groups_of(str(tmp_path / "gapo_s1"), str(tmp_path / "gapo_s2"))
+    # pass@1 evals at updates 0, 2, 4, 6: seed 1 rises to 0.5, seed 2 to 1.0 -> means 0, 0.25, 0.5, 0.75
+    assert [p[2] for p in compare.curve(g, "eval/pass@1")] == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    plots = tmp_path / "plots"
+    assert compare.main([str(tmp_path / "gapo_*"), "--plot-dir", str(plots), "--metric", "gapo/clipfrac_c*",
+                         "--band", "std"]) == 0
+    for name in ("compare.png", "compare_eval.png", "compare_gapo_clipfrac_c0.2.png"):
+        assert os.path.getsize(plots / name) > 1000, name
+    assert f"wrote {plots / 'compare_eval.png'}" in capsys.readouterr().out
+    # only before/after evals: no eval-curve figure
+    write_run(tmp_path, "grpo_s1", "grpo", 1, eval_rows(0.5))
+    compare.main([str(tmp_path / "grpo_s1"), "--plot-dir", str(tmp_path / "p2")])
+    assert os.path.exists(tmp_path / "p2" / "compare.png") and not os.path.exists(tmp_path / "p2" / "compare_eval.png")
+
+
+def test_new_options_without_matplotlib(tmp_path, capsys, monkeypatch):
+    for seed in (1, 2):
+        write_run(tmp_path, f"grpo_s{seed}", "grpo", seed, eval_rows(0.5, 4))
+        write_run(tmp_path, f"gapo_s{seed}", "gapo", seed, eval_rows(0.75, 4))
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name.startswith("matplotlib") else real_import(name, *a, **k))
+    assert compare.main([str(tmp_path / "*"), "--metric", "eval/pass@4", "--baseline", "grpo",
+                         "--plot-dir", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "matplotlib is not installed" in out and "2/2 positive" in out and not os.path.exists(tmp_path / "p")
+
+
+def test_nan_entries_are_reported_not_hidden(tmp_path, capsys):
+    rows = [{"step": 1, "update": 1, "wall_s": 1.0, "m/x": 0.5}, {"step": 2, "update": 2, "wall_s": 2.0, "m/x": float("nan")}]
+    path = write_run(tmp_path, "grpo_s1", "grpo", 1, rows)
+    assert compare.main([path, "--metric", "m/x", "--no-plot"]) == 0
+    assert f"note: m/x is NaN in {path} (1 rows); those rows are left out" in capsys.readouterr().out
