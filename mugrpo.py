@@ -16,7 +16,8 @@ generation/optimization stages with relaxed clipping and the negative-advantage 
      trigger is a token with log rho_it < log delta (log space, never exponentiated first); kappa_i = first
      trigger; --veto-scope none | trigger | suffix | suffix_nontrigger (default, the paper's H_kappa) | sequence.
   6. Loss: token-level clipped surrogate times the keep mask, token-mean over the mini-batch's completion tokens
-     counted BEFORE the veto (the veto removes gradient, it does not re-weight the rest).
+     counted BEFORE the veto (the veto removes gradient, it does not re-weight the rest). With --beta > 0 the k3
+     KL term stays on every completion token: the veto masks the policy term only.
 
 Objective per update (mini-batch b of the stage, rho_it = pi_theta(o_it | q, o_i<t) / pi_behav(o_it | q, o_i<t)):
     J(theta) = 1 / (sum_{i in b} |o_i|) * sum_{i in b} sum_t keep_it * min(rho_it A_i, clip(rho_it, 1-eps_low, 1+eps_high) A_i)
@@ -27,6 +28,11 @@ std; 64 prompts per update in the paper-scale line. Where mugrpo.md is silent we
 subset of mask); mugrpo/vetoed_token_frac is over all completion tokens of the mini-batch; --prompts-per-step must
 be a multiple of --updates-per-batch; engine wake (incl. the weight push) and sleep are timed separately inside
 perf/sync_s as perf/wake_s and perf/sleep_s.
+Host memory of a paper-scale stage (B = 524288 rollouts, T = 3072; docs/mugrpo.md, bench/rollout_memory.py): the
+packed rollouts take ~8.4 bytes per completion token (4.4 GB at a mean of ~1000 tokens, 13.2 GB if all are 3072;
+lists of Python ints and floats took 38 / 117 GB), the texts ~4 bytes per token; the shared blocks' dense fp32
+(B, T) mask and old/behaviour log-probs are 6.4 GB each (+6.4 GB transient in the trainer pass, +6.4 GB ref_logp
+with --beta > 0). --behav-logp engine writes the engine log-probs into old_logp's buffer (no extra (B, T) tensor).
 
 Run:
   python mugrpo.py                                 # CPU default: Mu-GRPO, 3 stages x mu 8, embedded SmolLM2-135M on `arith`
