@@ -20,7 +20,10 @@ followed where the paper is terse) -- what it changes relative to grpo.py:
      selection lives in the prompt sampler's state, so a checkpoint between the two steps resumes exactly.
 Objective (token-mean, no KL, as the official recipe):
   J(theta) = E[ 1/sum_i|o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) ],
-  r_it = pi_theta(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t),  A_i from 2.
+  r_it = pi_theta(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t),  A_i from 2;
+  with --dual-clip-c c > 1 (the official verl loss: c = 3) a token with A_i < 0 contributes max(that term, c A_i):
+  its loss never exceeds c |A_i| and its gradient is 0 once r_it > c. Off by default (0), so the default loss and
+  the ablations below are grpo.py's; the paper-scale line turns it on.
 Ablations by flag: --no-codapo-weighting (w = 1 in the advantages; the selection still ranks by w),
 --no-focused-step (every step broad), both (grpo.py's objective; exactly with --codapo-std-eps 1e-4).
 Deliberate change vs the official code: there, when most of the batch is saturated (all right or all wrong,
@@ -29,13 +32,19 @@ filled with the first questions in batch order, saturated ones included (zero ad
 Here only learnable questions (0 < p < 1) can be selected; if there is none, the focused step is skipped,
 logged as codapo/focused_skipped = 1, and the next step is a broad one. The official entropy bonus (0.001)
 is not used (no method here has one).
+Paper-scale recipe: 8 optimizer updates per step, not 1. The official trainer feeds each prompt G times with
+rollout n = 1, so its ppo_mini_batch_size=16 counts trajectories: a 16 x 8 = 128-rollout step is 8 mini-batches
+of 16 trajectories, one epoch (--updates-per-batch 8; here each mini-batch is 2 whole groups). With one update
+per step the ratio is always 1 and no clip ever fires. The official "DAPO variant" is clip-higher (--clip-high
+0.28) plus dynamic sampling (regenerating until groups are not all-equal); here it is clip-higher only.
 
 Run:
   python codapo.py                                 # CPU default: embedded SmolLM2-135M-Instruct on `arith`
   python codapo.py --no-codapo-weighting --no-focused-step --codapo-std-eps 1e-4   # = grpo.py's objective
   python codapo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --eval-dataset math500 --prompts-per-step 16 \\
-      --num-generations 8 --updates-per-batch 1 --learning-rate 1e-6 --warmup-updates 0 --max-new-tokens 3072 \\
-      --total-steps 9360 --eval-every 100 --eval-samples 32 --eval-k 1 --eval-limit 0 --save-every 100  # GPU + vLLM
+      --num-generations 8 --updates-per-batch 8 --learning-rate 1e-6 --warmup-updates 0 --max-new-tokens 3072 \\
+      --dual-clip-c 3 --gradient-checkpointing --total-steps 9360 --eval-every 100 --eval-samples 32 --eval-k 1 \\
+      --eval-limit 0 --save-every 100              # GPU + vLLM, official recipe (DAPO variant: add --clip-high 0.28)
 """
 
 from __future__ import annotations
@@ -102,7 +111,10 @@ class Args:
     focused_step: bool = arg(True, "follow each broad step by a focused step on the selected questions (--no-focused-step: ablation)")
     codapo_std_eps: float = arg(1e-6, "epsilon of the group std in the advantage (official 1e-6; grpo.py uses 1e-4)")
     clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low (official recipe 0.2)")
-    clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (official 0.2; 0.28 in its DAPO variant)")
+    clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (official 0.2; 0.28 in its DAPO variant, "
+                                "which here is clip-higher only: no dynamic sampling / group filtering)")
+    dual_clip_c: float = arg(0.0, "dual clip for A < 0: cap each token's loss at c |A| (Ye et al. 2020; the official "
+                                  "verl loss uses c = 3); 0 or negative: off (default: the grpo.py loss)")
     loss_agg: str = arg("token-mean", "token-mean (official), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)")
 
     def __post_init__(self):
@@ -110,6 +122,9 @@ class Args:
             raise common.UserError(f"--codapo-percentile must be in [0, 1], not {self.codapo_percentile}")
         if self.repeat_count < 1:
             raise common.UserError(f"--repeat-count must be >= 1, not {self.repeat_count}")
+        if math.isnan(self.dual_clip_c) or 0.0 < self.dual_clip_c <= 1.0:
+            raise common.UserError(f"--dual-clip-c must be > 1 (3 in the official recipe) or <= 0 (off), "
+                                   f"not {self.dual_clip_c}")
 
 
 # ALGO LOGIC: advantages
@@ -132,8 +147,14 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, weights: torch.Te
 def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                         eps_low: float = 0.2, eps_high: float = 0.2, loss_agg: str = "token-mean",
                         ref_logp: torch.Tensor | None = None, beta: float = 0.0,
-                        max_tokens: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate. logp, old_logp, ref_logp, mask: (B, T); advantages (B,). Returns (loss, stats)."""
+                        max_tokens: int | None = None, dual_clip_c: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate. logp, old_logp, ref_logp, mask: (B, T); advantages (B,). Returns (loss, stats).
+
+    dual_clip_c > 1: dual-clip PPO (Ye et al. 2020, arXiv:1912.09729; verl's clip_ratio_c, 3 in the official
+    CoDaPO loss): a token with A < 0 has loss min(max(-A r, -A clip(r)), -c A), so it never exceeds c |A| and
+    has zero gradient once r > c. dual_clip_c <= 0: off, the loss is exactly the plain clipped surrogate."""
+    if 0.0 < dual_clip_c <= 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 or <= 0 (off), not {dual_clip_c}")
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # (B, T) log r_it
     ratio = torch.exp(log_ratio)  # r_it = pi_theta / pi_old
@@ -141,6 +162,12 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)  # PPO pessimistic bound, (B, T)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)  # (B, T) tokens whose loss the dual clip capped
+    if dual_clip_c > 0.0:
+        # dual clip: for A < 0 the bound above grows without limit in r (-A r); cap it at -c A = c |A|.
+        # With c > 1 it binds exactly when r > c (max(r, clip(r)) = r there), a constant: zero gradient.
+        dual = (adv < 0) & (per_token > -adv * dual_clip_c)
+        per_token = torch.where(dual, -adv * dual_clip_c, per_token)
     if beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
@@ -158,10 +185,12 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
         n = mask.sum().clamp(min=1.0)
         clip_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype) * mask  # clipped branch active, grad 0
         clip_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype) * mask
+        clip_dual = dual.to(mask.dtype) * mask  # A < 0 and r > c: capped at c |A|, grad 0 (disjoint from clip_low)
         stats = {
-            "clipfrac": ((clip_low + clip_high).sum() / n).item(),
+            "clipfrac": ((clip_low + clip_high + clip_dual).sum() / n).item(),
             "clipfrac_low": (clip_low.sum() / n).item(),
             "clipfrac_high": (clip_high.sum() / n).item(),
+            "clipfrac_dual": (clip_dual.sum() / n).item(),
             "approx_kl": (((ratio - 1.0) - log_ratio) * mask).sum().div(n).item(),  # k3 of KL(old || new)
         }
     return loss, stats
@@ -375,6 +404,7 @@ def main(args: Args) -> None:
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
                 sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
                         "approx_kl": 0.0, "entropy": 0.0}
+                dual_clipfrac = 0.0  # share of the mini-batch's tokens capped by the dual clip (A < 0, r > c)
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
                     tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
@@ -387,7 +417,7 @@ def main(args: Args) -> None:
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
                                                       args.clip_low, args.clip_high, args.loss_agg, ref, args.beta,
-                                                      args.max_new_tokens)
+                                                      args.max_new_tokens, args.dual_clip_c)
                     weight = common.accumulation_weight(args.loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()
                     n_tok = micro_mask.sum().item()
@@ -395,6 +425,7 @@ def main(args: Args) -> None:
                     for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
                         sums[k] += stats[k] * n_tok / mb_tokens
                     sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
+                    dual_clipfrac += stats["clipfrac_dual"] * n_tok / mb_tokens
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 if not torch.isfinite(grad_norm):
                     raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
@@ -402,7 +433,8 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 update += 1
-                update_rows.append({f"losses/{k}": v for k, v in sums.items()} | {
+                dual_row = {"codapo/dual_clipfrac": dual_clipfrac} if args.dual_clip_c > 0 else {}  # only when on
+                update_rows.append({f"losses/{k}": v for k, v in sums.items()} | dual_row | {
                     "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
                     "update": update})
         # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint

@@ -7,12 +7,14 @@ default model), prompt formatting, datasets, rollout engines (vLLM colocated on 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import gzip
 import importlib.util
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -571,13 +573,147 @@ def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[
 # Rollout engines
 
 
-@dataclass
+_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)  # typecode of a C int32 ("i" on every 64-bit OS)
+_INT64 = "q"
+_FLOAT32 = "f"
+_TORCH_DTYPE = {_INT32: torch.int32, _INT64: torch.int64, _FLOAT32: torch.float32}
+
+
+class RaggedRows:
+    """Read-only rows of a packed 1-D buffer: row i is values[offsets[j] : offsets[j + 1]] with j = index[i]
+    (index None: j = i; rows of one prompt share one stored copy through index).
+
+    `rows[i]` returns the row as a list (what the old list-of-lists returned), `rows[a:b]` a list of lists;
+    `len`, iteration and `==` against a list work as on a list. `row(i)` gives a tensor copy, `lengths()` the
+    (n,) int64 row lengths and `flat()` a tensor copy of all rows in order (index None only)."""
+
+    __slots__ = ("_values", "_offsets", "_index")
+
+    def __init__(self, values: array.array, offsets: array.array, index: array.array | None = None):
+        self._values, self._offsets, self._index = values, offsets, index
+
+    def __len__(self) -> int:
+        return len(self._index) if self._index is not None else len(self._offsets) - 1
+
+    def _span(self, i) -> tuple[int, int]:
+        n, i = len(self), operator.index(i)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {n} rows")
+        j = i % n if self._index is None else self._index[i]
+        return self._offsets[j], self._offsets[j + 1]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        a, b = self._span(i)
+        return self._values[a:b].tolist()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other):
+        if isinstance(other, (list, tuple, RaggedRows)):
+            return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"RaggedRows({len(self)} rows, {len(self._values)} values)"
+
+    @staticmethod
+    def _tensor(values: array.array) -> torch.Tensor:
+        # frombuffer shares memory without pinning the array's size: clone at once, before anyone can append
+        if not len(values):
+            return torch.empty(0, dtype=_TORCH_DTYPE[values.typecode])
+        return torch.frombuffer(values, dtype=_TORCH_DTYPE[values.typecode]).clone()
+
+    def row(self, i) -> torch.Tensor:
+        a, b = self._span(i)
+        return self._tensor(self._values[a:b])
+
+    def lengths(self) -> torch.Tensor:
+        per_stored = torch.diff(self._tensor(self._offsets))  # (stored rows,) int64
+        return per_stored if self._index is None else per_stored[self._tensor(self._index)]
+
+    def flat(self) -> torch.Tensor:
+        if self._index is not None:
+            raise ValueError("flat() of rows that share stored copies: use row(i)")
+        return self._tensor(self._values)
+
+
 class RolloutBatch:
-    prompt_ids: list[list[int]]  # B = P*n rows, rows of one prompt contiguous
-    completion_ids: list[list[int]]  # generated ids, including the EOS that ended the completion
-    texts: list[str]  # decoded completions (special tokens skipped)
-    finish_reasons: list[str]  # "stop" or "length"
-    engine_logps: list[list[float]] | None = None  # engine's log-prob of each sampled token (temperature-processed)
+    """B = P*n generated rows (rows of one prompt contiguous), packed: completion tokens in one flat int32 buffer
+    with int64 row offsets, each prompt's tokens stored once for its run of consecutive rows, the engine's
+    log-probs (one per completion token) in one flat float32 buffer. About 8 bytes per completion token
+    instead of about 68 for lists of Python ints and floats (docs/mugrpo.md, bench/rollout_memory.py).
+
+    Read as before: `prompt_ids[r]`, `completion_ids[r]` (lists of ints), `engine_logps[r]` (list of floats, or
+    `engine_logps` None when the engine returned none), `texts` and `finish_reasons` (lists of str). Engines
+    add rows with `append_row`; the constructor also takes lists of rows (tests, benches)."""
+
+    def __init__(self, prompt_ids: Sequence[Sequence[int]] = (), completion_ids: Sequence[Sequence[int]] = (),
+                 texts: Sequence[str] = (), finish_reasons: Sequence[str] = (),
+                 engine_logps: Sequence[Sequence[float]] | None = None):
+        if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
+            raise ValueError(f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
+                             f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows")
+        self._prompt_values, self._prompt_offsets = array.array(_INT32), array.array(_INT64, [0])
+        self._prompt_index = array.array(_INT64)  # (B,) row -> stored prompt
+        self._completion_values, self._completion_offsets = array.array(_INT32), array.array(_INT64, [0])
+        self._logp_values = array.array(_FLOAT32) if engine_logps is not None else None  # offsets: the completions'
+        self._last_prompt = None  # array of the last stored prompt (consecutive rows of one prompt share it)
+        self.texts: list[str] = []  # decoded completions (special tokens skipped)
+        self.finish_reasons: list[str] = []  # "stop" or "length"
+        for r in range(len(prompt_ids)):
+            self._append_tokens(prompt_ids[r], completion_ids[r], None if engine_logps is None else engine_logps[r])
+        self.texts.extend(texts)  # given lists are kept as they are (a bench may pass none)
+        self.finish_reasons.extend(finish_reasons)
+
+    def _append_tokens(self, prompt: Sequence[int], completion: Sequence[int], logps) -> None:
+        if (logps is None) != (self._logp_values is None):
+            raise ValueError("a RolloutBatch holds log-probs for every row or for none")
+        if logps is not None:
+            logps = logps.tolist() if isinstance(logps, torch.Tensor) else logps
+            if len(logps) != len(completion):
+                raise ValueError(f"{len(logps)} log-probs for a completion of {len(completion)} tokens")
+        prompt, completion = array.array(_INT32, prompt), array.array(_INT32, completion)  # checked before storing
+        if self._last_prompt is None or prompt != self._last_prompt:
+            self._prompt_values.extend(prompt)
+            self._prompt_offsets.append(len(self._prompt_values))
+            self._last_prompt = prompt
+        self._prompt_index.append(len(self._prompt_offsets) - 2)
+        self._completion_values.extend(completion)
+        if logps is not None:
+            self._logp_values.extend(logps)
+        self._completion_offsets.append(len(self._completion_values))
+
+    def append_row(self, prompt: Sequence[int], completion: Sequence[int], text: str, finish_reason: str,
+                   logps: Sequence[float] | torch.Tensor | None = None) -> None:
+        """Add one generated row; `logps` (one per completion token) iff the batch holds log-probs."""
+        self._append_tokens(prompt, completion, logps)
+        self.texts.append(text)
+        self.finish_reasons.append(finish_reason)
+
+    @property
+    def prompt_ids(self) -> RaggedRows:  # B = P*n rows, rows of one prompt contiguous
+        return RaggedRows(self._prompt_values, self._prompt_offsets, self._prompt_index)
+
+    @property
+    def completion_ids(self) -> RaggedRows:  # generated ids, including the EOS that ended the completion
+        return RaggedRows(self._completion_values, self._completion_offsets)
+
+    @property
+    def engine_logps(self) -> RaggedRows | None:  # engine's log-prob of each sampled token (temperature-processed)
+        if self._logp_values is None:
+            return None
+        return RaggedRows(self._logp_values, self._completion_offsets)
+
+    def nbytes(self) -> int:
+        """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
+        bufs = [self._prompt_values, self._prompt_offsets, self._prompt_index, self._completion_values,
+                self._completion_offsets] + ([self._logp_values] if self._logp_values is not None else [])
+        return sum(b.itemsize * len(b) for b in bufs)
 
 
 class HFEngine:
@@ -641,12 +777,8 @@ class HFEngine:
                         completion, reason = toks, "length"
                     else:
                         completion, reason = toks[:end + 1], "stop"
-                    out.prompt_ids.append(list(batch[i]))
-                    out.completion_ids.append(completion)
-                    out.finish_reasons.append(reason)
-                    out.texts.append(self.tokenizer.decode(completion, skip_special_tokens=True))
-                    if self.return_logps:
-                        out.engine_logps.append(step_logps[i, :len(completion)].tolist())
+                    out.append_row(batch[i], completion, self.tokenizer.decode(completion, skip_special_tokens=True),
+                                   reason, step_logps[i, :len(completion)] if self.return_logps else None)
                 bar.update(len(batch))
         finally:
             bar.close()
@@ -783,11 +915,8 @@ class VLLMEngine:
                 logps = [float(position[t].logprob) for t, position in zip(toks, c.logprobs)]
                 decodable = [t for t in toks if t < self.num_decodable]
                 undecodable += len(toks) - len(decodable)
-                out.prompt_ids.append(list(ids))
-                out.completion_ids.append(toks)
-                out.texts.append(self.tokenizer.decode(decodable, skip_special_tokens=True))
-                out.finish_reasons.append(c.finish_reason)
-                out.engine_logps.append(logps)
+                out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason,
+                               logps)
         self.num_undecodable_sampled = undecodable
         return out
 

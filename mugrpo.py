@@ -16,7 +16,8 @@ generation/optimization stages with relaxed clipping and the negative-advantage 
      trigger is a token with log rho_it < log delta (log space, never exponentiated first); kappa_i = first
      trigger; --veto-scope none | trigger | suffix | suffix_nontrigger (default, the paper's H_kappa) | sequence.
   6. Loss: token-level clipped surrogate times the keep mask, token-mean over the mini-batch's completion tokens
-     counted BEFORE the veto (the veto removes gradient, it does not re-weight the rest).
+     counted BEFORE the veto (the veto removes gradient, it does not re-weight the rest). With --beta > 0 the k3
+     KL term stays on every completion token: the veto masks the policy term only.
 
 Objective per update (mini-batch b of the stage, rho_it = pi_theta(o_it | q, o_i<t) / pi_behav(o_it | q, o_i<t)):
     J(theta) = 1 / (sum_{i in b} |o_i|) * sum_{i in b} sum_t keep_it * min(rho_it A_i, clip(rho_it, 1-eps_low, 1+eps_high) A_i)
@@ -27,6 +28,11 @@ std; 64 prompts per update in the paper-scale line. Where mugrpo.md is silent we
 subset of mask); mugrpo/vetoed_token_frac is over all completion tokens of the mini-batch; --prompts-per-step must
 be a multiple of --updates-per-batch; engine wake (incl. the weight push) and sleep are timed separately inside
 perf/sync_s as perf/wake_s and perf/sleep_s.
+Host memory of a paper-scale stage (B = 524288 rollouts, T = 3072; docs/mugrpo.md, bench/rollout_memory.py): the
+packed rollouts take ~8.4 bytes per completion token (4.4 GB at a mean of ~1000 tokens, 13.2 GB if all are 3072;
+lists of Python ints and floats took 38 / 117 GB), the texts ~4 bytes per token; the shared blocks' dense fp32
+(B, T) mask and old/behaviour log-probs are 6.4 GB each (+6.4 GB transient in the trainer pass, +6.4 GB ref_logp
+with --beta > 0). --behav-logp engine writes the engine log-probs into old_logp's buffer (no extra (B, T) tensor).
 
 Run:
   python mugrpo.py                                 # CPU default: Mu-GRPO, 3 stages x mu 8, embedded SmolLM2-135M on `arith`
@@ -124,7 +130,10 @@ def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages
                         ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Relaxed clipped surrogate times the veto's keep mask. logp, behav_logp, mask, keep, ref_logp: (B, T);
     advantages (B,). Token-mean whose denominator counts the completion tokens before the veto. Returns (loss, stats);
-    with keep = mask and eps 0.2/0.2 it is grpo.compute_policy_loss(..., loss_agg="token-mean")."""
+    with keep = mask and eps 0.2/0.2 it is grpo.compute_policy_loss(..., loss_agg="token-mean").
+
+    beta > 0: the k3 KL term to the reference model is a regulariser on EVERY completion token (mask, not keep):
+    the veto removes a vetoed token's policy-gradient term only, never its KL penalty."""
     mask = mask.to(logp.dtype)
     keep = mask if keep is None else keep.to(logp.dtype) * mask  # (B, T) 1 = token takes part in the gradient
     log_ratio = logp - behav_logp  # (B, T) log rho_it, behav_logp frozen for the whole stage
@@ -133,13 +142,14 @@ def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # Mu-GRPO: [0, 5]; rho >= 0 so A<0 never clips
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, (B, T)
+    n = mask.sum().clamp(min=1.0)  # completion tokens BEFORE the veto (reading: the veto does not re-weight)
+    loss = (per_token * keep).sum() / n  # the veto masks the policy term only
     if beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
         ref_diff = ref_logp - logp
-        per_token = per_token + beta * (torch.exp(ref_diff) - ref_diff - 1.0)  # k3 estimate of KL(pi || pi_ref)
-    n = mask.sum().clamp(min=1.0)  # completion tokens BEFORE the veto (reading: the veto does not re-weight)
-    loss = (per_token * keep).sum() / n
+        kl = torch.exp(ref_diff) - ref_diff - 1.0  # (B, T) k3 estimate of KL(pi || pi_ref)
+        loss = loss + beta * (kl * mask).sum() / n  # on every real token, vetoed ones included
     with torch.no_grad():
         clip_low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(mask.dtype) * mask  # clipped branch active, grad 0
         clip_high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(mask.dtype) * mask
@@ -316,9 +326,15 @@ def main(args: Args) -> None:
         if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
             if rollout.engine_logps is None:
                 raise common.RunError("--behav-logp engine: the rollout engine returned no log-probs")
-            behav_logp = torch.zeros_like(mask)  # (B, T)
-            for r, lp in enumerate(rollout.engine_logps):
-                behav_logp[r, :len(lp)] = torch.tensor(lp, dtype=behav_logp.dtype)
+            # written into old_logp's (B, T) buffer, unused with engine log-probs (no row is ready there): at paper
+            # scale a second dense (B, T) fp32 tensor would be another 6.4 GB. Row-major boolean indexing of the
+            # mask visits row r's len(r) real tokens in order, exactly the packed order of the flat log-probs.
+            flat = rollout.engine_logps.flat()  # (sum_r len(r),) float32
+            if flat.numel() != int(mask.sum().item()):
+                raise common.RunError(f"--behav-logp engine: {flat.numel()} engine log-probs for "
+                                      f"{int(mask.sum().item())} completion tokens")
+            behav_logp = old_logp  # (B, T), all zeros here
+            behav_logp[mask.bool()] = flat.to(behav_logp.dtype)
             behav_ready = torch.ones(B, dtype=torch.bool)
         else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
             behav_logp, behav_ready = old_logp, old_ready  # (B, T), (B,): stored, never recomputed in the stage

@@ -196,6 +196,85 @@ def test_flags_ablations_parse():
             common.parse_args(codapo.Args, bad)
 
 
+# ----- dual clip (official verl loss, clip_ratio_c = 3): A < 0 tokens capped at c |A|
+
+
+def _dual_case():
+    # row 0: A = -2, ratios 5 and 2; row 1: A = +1, ratio 5 and a padding slot. old_logp = 0, so r = exp(logp).
+    logp = torch.log(torch.tensor([[5.0, 2.0], [5.0, 1.0]])).requires_grad_(True)
+    return logp, torch.zeros(2, 2), torch.tensor([-2.0, 1.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+
+
+def test_dual_clip_by_hand():
+    logp, old, adv, mask = _dual_case()
+    loss, stats = codapo.compute_policy_loss(logp, old, adv, mask, 0.2, 0.2, dual_clip_c=3.0)
+    # (A=-2, r=5): PPO max(-A r, -A clip r) = max(10, 2.4) = 10, capped at 3 |A| = 6, gradient 0
+    # (A=-2, r=2): max(4, 2.4) = 4 < 6, unaffected: d(-A r)/dlogp = -A r = 4
+    # (A=+1, r=5): max(-5, -1.2) = -1.2 (upper clip, gradient 0); the dual clip never touches A > 0
+    assert loss.item() == pytest.approx((6.0 + 4.0 - 1.2) / 3, abs=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 4.0 / 3], [0.0, 0.0]]), atol=1e-6)
+    assert stats["clipfrac_dual"] == pytest.approx(1 / 3) and stats["clipfrac_high"] == pytest.approx(1 / 3)
+    assert stats["clipfrac"] == pytest.approx(2 / 3) and stats["clipfrac_low"] == 0.0
+    # off: the r = 5, A < 0 token keeps its full loss 10 and gradient -A r = 10
+    logp_off = logp.detach().clone().requires_grad_(True)
+    loss_off, stats_off = codapo.compute_policy_loss(logp_off, old, adv, mask, 0.2, 0.2, dual_clip_c=0.0)
+    assert loss_off.item() == pytest.approx((10.0 + 4.0 - 1.2) / 3, abs=1e-6)
+    loss_off.backward()
+    assert torch.allclose(logp_off.grad, torch.tensor([[10.0 / 3, 4.0 / 3], [0.0, 0.0]]), atol=1e-6)
+    assert stats_off["clipfrac_dual"] == 0.0 and stats_off["clipfrac"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_dual_clip_off_is_the_plain_loss_exactly(loss_agg):
+    """c <= 0 (the default) and a c that never binds give grpo.py's loss and gradient bit for bit."""
+    torch.manual_seed(0)
+    B, T = 6, 5
+    base = torch.randn(B, T) * 0.3 - 2.0
+    old = base + torch.randn(B, T) * 1.5  # ratios from ~0.03 to ~20
+    old[1, 0], old[5, 1] = base[1, 0] - math.log(5.0), base[5, 1] - math.log(10.0)  # A < 0 tokens with r = 5, 10
+    adv = torch.tensor([1.2, -0.7, 0.0, -1.5, 0.4, -2.0])
+    mask = (torch.arange(T).unsqueeze(0) < torch.tensor([[5], [3], [4], [1], [5], [2]])).float()
+    ref = base + torch.randn(B, T) * 0.2
+    b = base.clone().requires_grad_(True)
+    loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8)
+    loss_g.backward()
+    ratio = torch.exp(base - old)
+    assert bool(((ratio > 3) & (adv.unsqueeze(1) < 0) & mask.bool()).any())  # c = 3 would bind in this case
+    for c in (0.0, -1.0, 1e6):
+        a = base.clone().requires_grad_(True)
+        loss_c, st_c = codapo.compute_policy_loss(a, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8, dual_clip_c=c)
+        loss_c.backward()
+        assert torch.equal(loss_c, loss_g) and torch.equal(a.grad, b.grad), c
+        assert st_c["clipfrac_dual"] == 0.0 and all(st_c[k] == st_g[k] for k in st_g)
+    a = base.clone().requires_grad_(True)
+    loss_3, st_3 = codapo.compute_policy_loss(a, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8, dual_clip_c=3.0)
+    assert loss_3.item() < loss_g.item() and st_3["clipfrac_dual"] > 0  # c = 3 caps some A < 0 tokens
+    with pytest.raises(ValueError):
+        codapo.compute_policy_loss(a, old, adv, mask, dual_clip_c=1.0)
+
+
+def test_dual_clip_flag():
+    assert common.parse_args(codapo.Args, []).dual_clip_c == 0.0  # off: the default run's loss is unchanged
+    assert common.parse_args(codapo.Args, ["--dual-clip-c", "3"]).dual_clip_c == 3.0
+    assert common.parse_args(codapo.Args, ["--dual-clip-c", "-1"]).dual_clip_c == -1.0  # also off
+    for bad in ("1", "0.5", "nan"):
+        with pytest.raises(common.UserError, match="--dual-clip-c"):
+            common.parse_args(codapo.Args, ["--dual-clip-c", bad])
+
+
+def test_paper_scale_line_makes_the_official_number_of_updates():
+    """The docstring's paper-scale line: 16 prompts x 8 rollouts, mini-batches of 16 trajectories as the official
+    ppo_mini_batch_size=16 (rollout n = 1, prompts repeated): 8 updates per step, and the official dual clip c = 3."""
+    doc = codapo.__doc__
+    start = doc.index("python codapo.py --model Qwen/Qwen2.5-Math-1.5B")
+    line = doc[start:doc.index("# GPU", start)].replace("\\\n", " ").split()[2:]
+    args = common.parse_args(codapo.Args, line)
+    assert (args.prompts_per_step, args.num_generations) == (16, 8)
+    assert args.prompts_per_step * args.num_generations // args.updates_per_batch == 16  # trajectories per update
+    assert args.dual_clip_c == 3.0 and args.learning_rate == 1e-6 and args.max_new_tokens == 3072
+
+
 # ----- toy runs (tiny model built here; a few seconds each)
 
 
@@ -261,6 +340,19 @@ def test_nothing_learnable_skips_the_focused_step(toy, tmp_path, capsys):
     assert all(r["codapo/focused_skipped"] == 1.0 and r["codapo/selected"] == 0 for r in rows)
     assert all(r["codapo/learnable_frac"] == 0.0 and r["codapo/weight_max"] == pytest.approx(0.1) for r in rows)
     assert "focused step skipped" in capsys.readouterr().out
+
+
+def test_dual_clip_run_logs_its_fraction(toy, tmp_path):
+    """A fast-moving toy run with --dual-clip-c 3 logs codapo/dual_clipfrac on every update (part of
+    losses/clipfrac); the default run (c = 0) logs no such key."""
+    # broad step, then the focused step: 4 groups of the learnable question, one per update (lr 0.3: fast moves)
+    rows = _train_rows(_run(codapo, toy, tmp_path, "dual", 2, dual_clip_c=3.0, updates_per_batch=4,
+                            learning_rate=0.3, max_new_tokens=6))
+    assert len(rows) == 8 and all(0.0 <= r["codapo/dual_clipfrac"] <= r["losses/clipfrac"] for r in rows)
+    assert rows[0]["codapo/dual_clipfrac"] == rows[4]["codapo/dual_clipfrac"] == 0.0  # first update of a step: r = 1
+    assert any(r["codapo/dual_clipfrac"] > 0 for r in rows)  # some A < 0 tokens reach r > 3
+    default = _train_rows(_run(codapo, toy, tmp_path, "nodual", 1))
+    assert not any("codapo/dual_clipfrac" in r for r in default)
 
 
 def test_both_pieces_off_is_grpo(toy, tmp_path):

@@ -168,6 +168,106 @@ def test_loss_with_veto_keeps_denominator_and_drops_only_vetoed_gradient():
     assert torch.allclose(g_v[keep == 1], logp.grad[keep == 1])  # the rest is not re-weighted
 
 
+def test_beta_kl_term_applies_to_vetoed_tokens_too():
+    """--beta > 0: the veto masks the policy term only; the k3 KL penalty stays on every real token."""
+    # one A < 0 row, rho = 1 on both tokens (logp = behav); token 1 vetoed; ref - logp = [0, log 2]
+    logp = torch.tensor([[-1.0, -2.0]]).requires_grad_(True)
+    behav = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.0, -2.0 + math.log(2.0)]])
+    adv, mask, keep = torch.tensor([-1.0]), torch.ones(1, 2), torch.tensor([[1.0, 0.0]])
+    loss, _ = mugrpo.compute_policy_loss(logp, behav, adv, mask, 1.0, 4.0, keep, ref, beta=0.5)
+    # policy: -A rho = 1 on token 0 only (token 1 vetoed); KL k3 = e^d - d - 1 = [0, 1 - ln 2]; both over n = 2
+    assert loss.item() == pytest.approx(1.0 / 2 + 0.5 * (1.0 - math.log(2.0)) / 2, abs=1e-6)
+    loss.backward()
+    # d/dlogp: policy -A rho = 1 on token 0; KL 1 - e^d = [0, -1] times beta; all / 2
+    assert torch.allclose(logp.grad, torch.tensor([[0.5, -0.25]]), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# packed rollout storage (common.RolloutBatch; Mu-GRPO's stages hold hundreds of thousands of rollouts)
+
+
+def _packed_batch():
+    rb = common.RolloutBatch([], [], [], [], [])  # with log-probs, as the vLLM engine builds it
+    rows = [([5, 6, 7], [300, 301, 2], "a", "stop", [-0.5, -1.25, -0.125]),
+            ([5, 6, 7], [40000], "b", "length", torch.tensor([-2.0])),  # HF: a tensor slice
+            ([9], [], "", "length", []),
+            ([9], [1, 70000], "c", "stop", [-3.0, -0.1])]
+    for row in rows:
+        rb.append_row(*row)
+    return rb, rows
+
+
+def test_rollout_batch_reads_like_the_old_lists():
+    rb, rows = _packed_batch()
+    assert len(rb.completion_ids) == len(rb.prompt_ids) == len(rb.engine_logps) == 4
+    assert rb.prompt_ids[1] == [5, 6, 7] and rb.prompt_ids[3] == [9] and rb.prompt_ids[-1] == [9]
+    assert rb.completion_ids[0] == [300, 301, 2] and rb.completion_ids[2] == [] and len(rb.completion_ids[3]) == 2
+    assert all(isinstance(t, int) for t in rb.completion_ids[3])
+    assert rb.completion_ids == [r[1] for r in rows] and rb.prompt_ids == [r[0] for r in rows]
+    assert rb.completion_ids[1:3] == [[40000], []] and list(rb.prompt_ids)[2] == [9]
+    assert rb.engine_logps[0] == [-0.5, -1.25, -0.125] and rb.engine_logps[3] == pytest.approx([-3.0, -0.1])
+    assert rb.engine_logps[3][1] == float(torch.tensor(-0.1, dtype=torch.float32))  # stored as float32
+    assert rb.texts == ["a", "b", "", "c"] and rb.finish_reasons == ["stop", "length", "length", "stop"]
+    assert rb.completion_ids.lengths().tolist() == [3, 1, 0, 2] and rb.prompt_ids.lengths().tolist() == [3, 3, 1, 1]
+    assert torch.equal(rb.completion_ids.row(3), torch.tensor([1, 70000], dtype=torch.int32))
+    assert torch.equal(rb.engine_logps.flat(), torch.tensor([-0.5, -1.25, -0.125, -2.0, -3.0, -0.1]))
+    with pytest.raises(IndexError):
+        rb.completion_ids[4]
+    # pad_batch and the mask take the views as they took the lists
+    tb = common.pad_batch(rb.prompt_ids, rb.completion_ids, 0)
+    assert tb.input_ids[0].tolist() == [5, 6, 7, 300, 301, 2] and tb.input_ids[3].tolist() == [0, 0, 9, 1, 70000, 0]
+    assert common.completion_mask_of(rb).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
+    # the old constructor of lists of rows still works, and gives the same batch
+    again = common.RolloutBatch([r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons,
+                                [list(map(float, r[4])) for r in rows])
+    assert again.prompt_ids == rb.prompt_ids and again.completion_ids == rb.completion_ids
+    assert again.engine_logps == rb.engine_logps and common.RolloutBatch([[1]], [[2]], [], []).engine_logps is None
+
+
+def test_rollout_batch_is_packed():
+    """int32 tokens + int64 offsets, each run of rows of one prompt stores the prompt once, float32 log-probs."""
+    rb, rows = _packed_batch()
+    n_tok = 3 + 1 + 0 + 2
+    expected = (4 * (3 + 1) + 8 * (2 + 1)  # two stored prompts (3 and 1 tokens) and their offsets
+                + 8 * 4  # row -> stored prompt
+                + 4 * n_tok + 8 * (4 + 1)  # completion tokens and offsets
+                + 4 * n_tok)  # log-probs (they share the completions' offsets)
+    assert rb.nbytes() == expected
+    with pytest.raises(ValueError, match="log-probs"):
+        rb.append_row([1], [2, 3], "", "stop", [-1.0])  # one log-prob per completion token
+    with pytest.raises(ValueError, match="every row or for none"):
+        rb.append_row([1], [2], "", "stop", None)
+    assert len(rb.completion_ids) == len(rb.texts) == 4  # a refused row leaves nothing behind
+    with pytest.raises(ValueError):
+        common.RolloutBatch([[1], [2]], [[3]], [], [])
+
+
+def test_rollout_batch_memory_per_token():
+    """Retained host memory per completion token: about 8 bytes packed (token + log-prob), against ~68 for lists of
+    Python ints (36 bytes each above 256) and floats (32 bytes each). Measured as bench/rollout_memory.py does."""
+    import tracemalloc
+
+    g = torch.Generator().manual_seed(0)
+    comps = [torch.randint(257, 150000, (400,), generator=g) for _ in range(64)]
+    logps = [-torch.rand(400, generator=g) for _ in range(64)]
+    prompt = list(range(1000, 1100))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    rb = common.RolloutBatch([], [], [], [], [])
+    for c, lp in zip(comps, logps):
+        rb.append_row(prompt, c.tolist(), "", "stop", lp)
+    packed = tracemalloc.get_traced_memory()[0] - before
+    old = {"prompt_ids": [list(prompt) for _ in comps], "completion_ids": [c.tolist() for c in comps],
+           "engine_logps": [lp.tolist() for lp in logps]}
+    lists = tracemalloc.get_traced_memory()[0] - before - packed
+    tracemalloc.stop()
+    n_tok = 64 * 400
+    assert packed / n_tok < 9.0, packed / n_tok  # 8 bytes per token + the prompt once + offsets
+    assert lists / n_tok > 60.0, lists / n_tok
+    del old
+
+
 # ----------------------------------------------------------------------------------------------
 # stage loop
 
