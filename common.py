@@ -1414,10 +1414,13 @@ class RunLogger:
 
 def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
     parts = [f"step {step}/{total}"]
+    suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
     for k in keys:
+        if suite and k.startswith("eval/") and k.count("/") == 1:
+            continue  # eval/pass@k repeats the first set's eval/<set>/pass@k
         if k in row and row[k] is not None:
-            v = row[k]
-            parts.append(f"{k.split('/')[-1]} {v:.4g}" if isinstance(v, float) else f"{k.split('/')[-1]} {v}")
+            v, name = row[k], k.split("/", 1)[-1]  # eval/<set>/pass@1 -> <set>/pass@1
+            parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
     return " | ".join(parts)
 
 

@@ -355,3 +355,25 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
         common.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
     with pytest.raises(common.UserError, match="unknown argument '--no-such-flag'"):
         common.parse_args(grpo.Args, ["--no-such-flag", "1"])
+
+
+@pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
+def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path):
+    from tests.test_e2e import override_flags
+
+    mod = importlib.import_module(method)
+    argv = with_flag(with_flag(flags(toy, tmp_path, "m", 2), "--log-rollouts-every", "1"), "--eval-dataset",
+                     toy["data"], toy["other"]) + override_flags(method)
+    args = common.parse_args(mod.Args, argv)
+    mod.main(args)
+    rows = read_jsonl(tmp_path / "m" / "rollouts.jsonl")
+    B = args.prompts_per_step * args.num_generations
+    assert [r["step"] for r in rows] == [1] * B + [2] * B
+    for step in (1, 2):
+        step_rows = [r for r in rows if r["step"] == step]
+        (metric,) = [m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl")
+                     if m.get("step") == step and "rollout/reward_mean" in m]
+        assert metric["rollout/reward_mean"] == pytest.approx(sum(r["reward"] for r in step_rows) / B)
+        assert all(math.isfinite(r["advantage"]) for r in step_rows)
+    evals = [m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl") if "eval/pass@1" in m]
+    assert len(evals) == 2 and all("eval/toy/pass@2" in e and "eval/other/pass@2" in e for e in evals)
