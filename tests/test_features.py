@@ -377,3 +377,18 @@ def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path
         assert all(math.isfinite(r["advantage"]) for r in step_rows)
     evals = [m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl") if "eval/pass@1" in m]
     assert len(evals) == 2 and all("eval/toy/pass@2" in e and "eval/other/pass@2" in e for e in evals)
+
+
+def test_documented_reward_example_runs(tmp_path):
+    """docs/features.md's ten-line example is real code: load it through --reward's loader and score with it."""
+    with open(os.path.join(ROOT, "docs", "features.md")) as f:
+        text = f.read()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in code.splitlines() if line.strip()]) <= 10
+    path = tmp_path / "myreward.py"
+    path.write_text(code)
+    task = common.load_task("arith", "eval", 1, reward=f"{path}:reward")
+    problem = dict(task.problems[0], max_chars=10)
+    right, wrong = f"so {problem['answer']}", "so -1"
+    assert common.compute_rewards(task, [problem] * 3, [right, wrong, right + " " * 20]).tolist() == pytest.approx(
+        [1.0, 0.0, 1.0 - 0.001 * (len(right) + 20 - 10)])
