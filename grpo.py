@@ -189,8 +189,8 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}", None, metrics,
-                             timers.total, time.time() - t_start)
+        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
+                             None, metrics, timers.total, time.time() - t_start)
         logger.close()
         return
     if start_step == 0:
