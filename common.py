@@ -79,7 +79,8 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="")
     config = pre.parse_known_args(argv)[0].config
-    values = load_config(config, args_cls) if config and any(f.name == "config" for f in dataclasses.fields(args_cls)) else {}
+    has_config = any(f.name == "config" for f in dataclasses.fields(args_cls))
+    values = load_config(config, args_cls) if config and has_config else {}
     parser.set_defaults(**values)
     args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
@@ -152,8 +153,9 @@ def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
             ok = isinstance(v, bool)
         elif t is int:
             ok = isinstance(v, int) and not isinstance(v, bool)
-        elif t is float:
-            ok, v = isinstance(v, (int, float)) and not isinstance(v, bool), float(v) if isinstance(v, (int, float)) else v
+        elif t is float:  # an int is a fine float
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
         elif t is str:
             ok = isinstance(v, str)
         else:
