@@ -1341,8 +1341,14 @@ class RunLogger:
                     f.write(json.dumps(r) + "\n")
         rollouts_path = os.path.join(run_dir, "rollouts.jsonl")
         if resume_from_step is not None and os.path.exists(rollouts_path):  # same for the rollouts dump
+            def kept(line: str) -> bool:  # a line cut short by the kill that stopped the run is dropped too
+                try:
+                    return json.loads(line)["step"] <= resume_from_step
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    return False
+
             with open(rollouts_path) as f:
-                lines = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_from_step]
+                lines = [line for line in f if kept(line)]
             with open(rollouts_path, "w") as f:
                 f.writelines(lines)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
