@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import gzip
 import importlib.util
+import inspect
 import json
+import numbers
 import math
 import operator
 import os
@@ -67,12 +69,109 @@ def run_cli(main: Callable, args_cls: type) -> None:
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):
-    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown."""
+    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown.
+
+    `--config FILE` (a run's args.json, or YAML) supplies the values; flags on the command line override them."""
+    import argparse
+
     from transformers import HfArgumentParser
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser(args_cls, description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default="")
+    config = pre.parse_known_args(argv)[0].config
+    has_config = any(f.name == "config" for f in dataclasses.fields(args_cls))
+    values = load_config(config, args_cls) if config and has_config else {}
+    parser.set_defaults(**values)
+    args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if rest:
+        raise UserError(f"unknown argument {rest[0]!r} (see --help)")
+    if values.get("exp_name") not in (None, args_cls.exp_name) and args.exp_name == values["exp_name"]:
+        print(f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps "
+              f"(pass --exp-name to change it)", file=sys.stderr)
     return args
+
+
+NOT_REPLAYED = ("config", "run_name", "resume")  # a replay is a new run: its own folder, not the old one's
+
+
+def load_config(path: str, args_cls: type) -> dict:
+    """Values of `args_cls` fields from a JSON (args.json as RunLogger writes it) or YAML file, type-checked.
+
+    Unknown keys are one error line (a file from another method script names that script); run_name and resume
+    are not replayed (they would write into, or resume, the old run)."""
+    if not os.path.isfile(path):
+        raise UserError(f"--config {path}: no such file")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise UserError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); "
+                            "or pass the run's args.json") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise UserError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--config {path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of argument names to values, not {type(data).__name__}")
+    import typing
+
+    hints = typing.get_type_hints(args_cls)
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    unknown = [k for k in data if k.replace("-", "_") not in fields]
+    if unknown:
+        script = fields["exp_name"].default if "exp_name" in fields else args_cls.__name__
+        origin = data.get("exp_name")
+        hint = (f"; the file is from exp_name {origin!r} and method-specific arguments do not carry over to "
+                f"{script}.py" if origin not in (None, script) else "")
+        raise UserError(f"--config {path}: unknown argument{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))} for {script}.py{hint}")
+    values = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name in NOT_REPLAYED:
+            if value and name != "config":
+                print(f"note: --config {path}: {name} {value!r} is not replayed (a replay is a new run); pass "
+                      f"--{name.replace('_', '-')} on the command line to set it", file=sys.stderr)
+            continue
+        values[name] = _config_value(path, name, value, hints[name])
+    return values
+
+
+def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
+    """`value` checked against the field type (bool, int, float, str, list[...]); one error line otherwise."""
+    import typing
+
+    def check(v, t):
+        if t is bool:
+            ok = isinstance(v, bool)
+        elif t is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif t is float:  # an int is a fine float
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            v = float(v) if ok else v
+        elif t is str:
+            ok = isinstance(v, str)
+        else:
+            ok = True
+        if not ok:
+            raise UserError(f"--config {path}: {name} must be {t.__name__}, not {type(v).__name__} ({v!r:.60})")
+        return v
+
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):  # a scalar where a list is expected (e.g. an older args.json's "")
+            value = [] if value in ("", None) else [value]
+        return [check(v, item) for v in value]
+    return check(value, hint)
 
 
 def arg(default: Any, help: str, **kw) -> Any:
@@ -295,9 +394,10 @@ class Task:
     the code-test fields (code)."""
 
     name: str
-    kind: str  # "arith" | "math" | "code"
+    kind: str  # "arith" | "math" | "code" | "custom"
     problems: list[dict]
     instruction: str
+    custom_reward: CustomReward | None = None  # kind "custom": the user's --reward module:function
 
 
 def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
@@ -447,7 +547,8 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
         answer = _transform_answer(row[a_field], transform)
         if answer is None or str(row[q_field]).strip() == "":
             continue
-        problems.append({"question": str(row[q_field]), "answer": answer})
+        # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
+        problems.append({**row, "question": str(row[q_field]), "answer": answer})
     if not problems:
         raise UserError(f"dataset {source}: no row had a usable question and answer "
                         f"(fields {q_field!r}, {a_field!r})")
@@ -459,10 +560,14 @@ def load_task(name: str, split: str, seed: int = 0, question_field: str | None =
     """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
 
     Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
-    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind."""
-    if reward not in ("auto", "arith", "math", "code"):
-        raise UserError(f"--reward must be auto, arith, math or code, not {reward!r}")
+    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind;
+    `module:function` or `path.py:function` is the user's own `fn(completion, problem) -> float` (kind "custom",
+    loaded and checked here, before any model is loaded)."""
+    custom = load_custom_reward(reward) if reward not in BUILTIN_REWARDS else None
     task = _load_task(name, split, seed, question_field, answer_field, holdout)
+    if custom is not None:  # the dataset's instruction (answer format) stays; the user's function scores
+        task.kind, task.custom_reward = "custom", custom
+        return task
     if reward != "auto" and reward != task.kind:
         if (reward == "code") != (task.kind == "code"):
             raise UserError(f"--reward {reward} does not fit dataset {name} (its problems are {task.kind} problems)")
@@ -514,6 +619,35 @@ def _load_task(name: str, split: str, seed: int, question_field: str | None, ans
     return Task(name, kind, problems, instruction)
 
 
+def eval_set_label(name: str) -> str:
+    """Short name of an eval set in metric keys (eval/<label>/pass@1): a registry name as is, a local file's
+    base name without extension, a hub id's last part."""
+    if name in BUILTIN_DATASETS or name in HUB_DATASETS:
+        return name
+    base = os.path.basename(name.rstrip("/"))
+    for ext in (".gz", ".jsonl", ".json", ".parquet"):
+        base = base[:-len(ext)] if base.endswith(ext) else base
+    return base or name
+
+
+def load_eval_tasks(names: Sequence[str], default: str, seed: int, question_field: str | None,
+                    answer_field: str | None, reward: str, limit: int) -> list[Task]:
+    """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
+    `limit` problems (0: all). Two sets with the same label are one error."""
+    tasks, seen = [], {}
+    for name in list(names) or [default]:
+        label = eval_set_label(name)
+        if label in seen:
+            raise UserError(f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
+                            "give each evaluation set once (rename a local file if two share a name)")
+        seen[label] = name
+        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward)
+        if limit:
+            task.problems = task.problems[:limit]
+        tasks.append(task)
+    return tasks
+
+
 class PromptSampler:
     """Seeded epoch-wise shuffling of problem indices; its state (epoch, position) goes into checkpoints."""
 
@@ -548,10 +682,104 @@ class PromptSampler:
 # Rewards
 
 
+BUILTIN_REWARDS = ("auto", "arith", "math", "code")
+
+
+@dataclass(frozen=True)
+class CustomReward:
+    """The user's reward `fn(completion: str, problem: dict) -> float`, named by `spec` in every message."""
+
+    spec: str
+    fn: Callable
+
+
+_CUSTOM_REWARDS: dict[str, CustomReward] = {}  # spec -> loaded function (train and eval share one module import)
+
+
+def load_custom_reward(spec: str) -> CustomReward:
+    """`--reward module:function` (importable, the current folder included) or `path/to/file.py:function`.
+
+    A bad spec (no colon, missing file or module, import error, missing or non-callable attribute, a function
+    that cannot take (completion, problem)) is one UserError line; nothing slow has happened yet."""
+    if spec in _CUSTOM_REWARDS:
+        return _CUSTOM_REWARDS[spec]
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise UserError(f"--reward must be auto, arith, math, code, or your own function as module:function or "
+                        f"path/to/file.py:function, not {spec!r}")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UserError(f"--reward {spec}: file {where} does not exist")
+            mod_name = "_rlvr_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(where))[0])
+            mod_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(where))
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_name] = module  # pickling / dataclasses inside the user's file need it
+            mod_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:  # `python grpo.py` puts the script's folder first
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except ModuleNotFoundError as exc:
+        raise UserError(f"--reward {spec}: cannot import {where} ({exc}); pass module:function for a module on "
+                        "the Python path or path/to/file.py:function") from None
+    except (Exception, SystemExit) as exc:  # SyntaxError, or anything the module raises while it is imported
+        raise UserError(f"--reward {spec}: importing {where} failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise UserError(f"--reward {spec}: {where} has no attribute {attr!r} (its functions: {public})")
+    if not callable(fn):
+        raise UserError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("completion", {})
+    except TypeError:
+        raise UserError(f"--reward {spec}: {attr}{inspect.signature(fn)} cannot be called as "
+                        f"{attr}(completion, problem)") from None
+    except ValueError:  # no signature (some builtins): checked at the first call instead
+        pass
+    _CUSTOM_REWARDS[spec] = CustomReward(spec, fn)
+    return _CUSTOM_REWARDS[spec]
+
+
+def _custom_rewards(reward: CustomReward, problems: Sequence[dict], completions: Sequence[str]) -> list[float]:
+    """Call the user's function on every (completion, problem); a value that is not a finite real number, or
+    an exception, stops the run (RunError): a broken reward must never quietly turn into a 0."""
+    values = []
+    for i, (completion, problem) in enumerate(zip(completions, problems)):
+        question = str(problem.get("question", ""))[:60]
+        try:
+            value = reward.fn(completion, dict(problem))  # a copy: the function cannot edit the dataset
+        except Exception as exc:
+            import traceback
+
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            raise RunError(f"reward function {reward.spec} raised {type(exc).__name__}: {exc} "
+                           f"(at {os.path.basename(frame.filename)}:{frame.lineno}) on completion {i} of the batch, "
+                           f"problem {question!r}; fix the function (a failing reward is never scored 0)") from None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise RunError(f"reward function {reward.spec} returned {type(value).__name__} ({value!r:.60}) for "
+                           f"completion {i} of the batch, problem {question!r}; it must return a number")
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > torch.finfo(torch.float32).max:
+            raise RunError(f"reward function {reward.spec} returned {value} for completion {i} of the batch, "
+                           f"problem {question!r}; rewards must be finite float32 numbers")
+        values.append(value)
+    return values
+
+
 def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[str]) -> torch.Tensor:
     """(B,) float rewards for B completions, `problems[i]` being the problem of completion i.
 
-    A code sandbox that fails to start is retried once and then stops the run: it never becomes a 0."""
+    A code sandbox that fails to start is retried once and then stops the run: it never becomes a 0.
+    A custom reward that raises or returns no finite number stops the run too."""
+    if task.kind == "custom":
+        return torch.tensor(_custom_rewards(task.custom_reward, problems, completions), dtype=torch.float32)
     if task.kind == "arith":
         values = [verifiers.arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
     elif task.kind == "math":
@@ -1197,6 +1425,28 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
     return metrics, [records, samples]
 
 
+def evaluate_sets(engine, tokenizer, tasks: Sequence[Task], prompts: Sequence[list[list[int]]], n_samples: int,
+                  temperature: float, max_new_tokens: int, ks: Sequence[int],
+                  seed: int | None = None) -> tuple[dict, dict[str, tuple[list[dict], list[dict]]]]:
+    """`evaluate` on every eval set (same seed for each, so a set's numbers do not depend on the others).
+
+    One set: its metrics exactly as `evaluate` returns them (eval/pass@1, ...). Several: every set's metrics
+    as eval/<label>/pass@1, ... and, in addition, the unprefixed eval/... keys hold the FIRST set's numbers
+    (compare.py and plots read eval/pass@1). Returns (metrics, {label: (records, samples)})."""
+    metrics, per_set = {}, {}
+    for i, (task, task_prompts) in enumerate(zip(tasks, prompts)):
+        m, (records, samples) = evaluate(engine, tokenizer, task, task_prompts, n_samples, temperature,
+                                         max_new_tokens, ks, seed=seed)
+        label = eval_set_label(task.name)
+        per_set[label] = (records, samples)
+        if i == 0:
+            metrics.update(m)
+        if len(tasks) > 1:
+            metrics.update({f"eval/{label}/{k[len('eval/'):]}": v for k, v in m.items()
+                            if k not in ("eval/n_samples", "eval/temperature")})
+    return metrics, per_set
+
+
 # ----------------------------------------------------------------------------------------------
 # Logging
 
@@ -1218,6 +1468,18 @@ class RunLogger:
             with open(self.metrics_path, "w") as f:
                 for r in keep:
                     f.write(json.dumps(r) + "\n")
+        rollouts_path = os.path.join(run_dir, "rollouts.jsonl")
+        if resume_from_step is not None and os.path.exists(rollouts_path):  # same for the rollouts dump
+            def kept(line: str) -> bool:  # a line cut short by the kill that stopped the run is dropped too
+                try:
+                    return json.loads(line)["step"] <= resume_from_step
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    return False
+
+            with open(rollouts_path) as f:
+                lines = [line for line in f if kept(line)]
+            with open(rollouts_path, "w") as f:
+                f.writelines(lines)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
         self.tb = None
@@ -1246,13 +1508,39 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(row, step=x)
 
-    def write_samples(self, step: int, records: list[dict], samples: list[dict], tag: str = "eval") -> None:
+    def write_samples(self, step: int, records: list[dict], samples: list[dict], tag: str = "eval",
+                      eval_set: str | None = None) -> None:
+        """samples.jsonl (a few completions) and the per-sample correctness of one eval set:
+        eval_correctness_step<step>.jsonl, or eval_correctness_step<step>_<eval_set>.jsonl in a suite."""
+        extra = {"eval_set": eval_set} if eval_set else {}
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
             for s in samples:
-                f.write(json.dumps({"step": step, "tag": tag, **s}) + "\n")
-        with open(os.path.join(self.run_dir, f"eval_correctness_step{step}.jsonl"), "w") as f:
+                f.write(json.dumps({"step": step, "tag": tag, **extra, **s}) + "\n")
+        suffix = f"_{eval_set}" if eval_set else ""
+        with open(os.path.join(self.run_dir, f"eval_correctness_step{step}{suffix}.jsonl"), "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
+
+    def write_eval(self, step: int, per_set: dict[str, tuple[list[dict], list[dict]]]) -> None:
+        """`write_samples` for every set of `evaluate_sets`; file names carry the set's label only in a suite."""
+        for label, (records, samples) in per_set.items():
+            self.write_samples(step, records, samples, eval_set=label if len(per_set) > 1 else None)
+
+    def write_rollouts(self, step: int, tokenizer, rollout: RolloutBatch, problems: Sequence[dict],
+                       rewards: torch.Tensor, advantages: torch.Tensor, group_size: int) -> None:
+        """Append one row per rollout of this step to rollouts.jsonl (--log-rollouts-every): the decoded prompt
+        (chat template included), completion, gold answer, reward, advantage, length in tokens, finish reason.
+        Each distinct prompt is decoded once; one file open and one json.dumps per row."""
+        rewards, advantages = rewards.detach().float().cpu().tolist(), advantages.detach().float().cpu().tolist()
+        last_ids, last_text = None, ""
+        with open(os.path.join(self.run_dir, "rollouts.jsonl"), "a") as f:
+            for r, completion_ids in enumerate(rollout.completion_ids):
+                if rollout.prompt_ids[r] != last_ids:
+                    last_ids, last_text = rollout.prompt_ids[r], tokenizer.decode(rollout.prompt_ids[r])
+                f.write(json.dumps({
+                    "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[r],
+                    "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
+                    "length": len(completion_ids), "finish_reason": rollout.finish_reasons[r]}, default=str) + "\n")
 
     def close(self) -> None:
         if self.tb is not None:
@@ -1263,20 +1551,25 @@ class RunLogger:
 
 def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
     parts = [f"step {step}/{total}"]
+    suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
     for k in keys:
+        if suite and k.startswith("eval/") and k.count("/") == 1:
+            continue  # eval/pass@k repeats the first set's eval/<set>/pass@k
         if k in row and row[k] is not None:
-            v = row[k]
-            parts.append(f"{k.split('/')[-1]} {v:.4g}" if isinstance(v, float) else f"{k.split('/')[-1]} {v}")
+            v, name = row[k], k.split("/", 1)[-1]  # eval/<set>/pass@1 -> <set>/pass@1
+            parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
     return " | ".join(parts)
 
 
 def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
     print(f"\n===== {title} =====")
-    for key in sorted(k for k in (after or before or {}) if k.startswith("eval/pass@")):
+    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")]
+    per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
+    for key in (per_set or sorted(keys)):
         b = before.get(key) if before else None
         a = after.get(key) if after else None
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
-        print(f"{key:14s} before {fmt(b)}  after {fmt(a)}")
+        print(f"{key:{max(14, max(map(len, per_set or keys)))}s} before {fmt(b)}  after {fmt(a)}")
     print(f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)"
                                                for k, v in timers.items()))
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 ABSENT = "<absent>"
 BANDS = {"minmax": "min-max over seeds", "std": "mean +- sample std over seeds"}
 # arguments that do not change what a run computes, so runs differing only in these are seeds of one config
-BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only"}
+BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only",
+               "config", "log_rollouts_every"}
 
 
 @dataclass

@@ -37,10 +37,12 @@ class Args:
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
     dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
-    eval_dataset: str = arg("", "dataset for evaluation (default: held-out split of --dataset)")
+    eval_dataset: list[str] = arg([], "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
+                                      "several: eval/<set>/pass@k each, eval/pass@k = the first set")
     question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
     answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
-    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
+                              "or your own fn(completion, problem) -> float as module:function or path.py:function")
     system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
     engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
     seed: int = arg(1, "random seed")
@@ -73,6 +75,9 @@ class Args:
     run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
     track: bool = arg(False, "log to Weights & Biases")
     wandb_project: str = arg("rlvr-reference", "W&B project")
+    log_rollouts_every: int = arg(0, "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
+                                     "finish reason) to <run>/rollouts.jsonl (0: off)")
+    config: str = arg("", "replay a run: its args.json (or a YAML file); flags on the command line override it")
     # GRPO specific arguments
     clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low (grpo.md)")
     clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (DAPO clip-higher: 0.28)")
@@ -145,17 +150,15 @@ def main(args: Args) -> None:
     q_field, a_field = args.question_field or None, args.answer_field or None
     train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
                                                                  reward=args.reward)
-    eval_task = common.load_task(args.eval_dataset or args.dataset, "eval", args.seed, q_field, a_field,
-                                 reward=args.reward)
-    if args.eval_limit:
-        eval_task.problems = eval_task.problems[:args.eval_limit]
+    eval_tasks = common.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
+                                        args.eval_limit)
     tokenizer = common.load_tokenizer(resume_ckpt or args.model)
     model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
     ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    eval_prompts = [common.format_prompt(tokenizer, p["question"], eval_task.instruction, args.system_prompt or None)
-                    for p in eval_task.problems]
-    train_prompt_len = max(len(p) for p in eval_prompts) + 64
+    eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
+                     for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
+    train_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
     engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
                                 train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
                                 args.gpu_memory_utilization)
@@ -176,18 +179,18 @@ def main(args: Args) -> None:
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model)
-            metrics, (records, samples) = common.evaluate(
-                engine, tokenizer, eval_task, eval_prompts, args.eval_samples, args.eval_temperature,
+            metrics, per_set = common.evaluate_sets(
+                engine, tokenizer, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature,
                 args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        logger.write_samples(step, records, samples)
+        logger.write_eval(step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
         return metrics
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {eval_task.name}", None, metrics,
-                             timers.total, time.time() - t_start)
+        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
+                             None, metrics, timers.total, time.time() - t_start)
         logger.close()
         return
     if start_step == 0:
@@ -292,6 +295,8 @@ def main(args: Args) -> None:
         tqdm.write(common.console_line(step, args.total_steps, line_row, [
             "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
             "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        if args.log_rollouts_every and step % args.log_rollouts_every == 0:
+            logger.write_rollouts(step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
