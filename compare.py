@@ -30,7 +30,7 @@ ABSENT = "<absent>"
 BANDS = {"minmax": "min-max over seeds", "std": "mean +- sample std over seeds"}
 # arguments that do not change what a run computes, so runs differing only in these are seeds of one config
 BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only",
-               "config", "log_rollouts_every"}
+               "config", "log_rollouts_every", "keep_last"}
 
 
 @dataclass
@@ -83,6 +83,8 @@ def load_run(path: str) -> Run | None:
     if os.path.isfile(os.path.join(path, "args.json")):
         with open(os.path.join(path, "args.json")) as f:
             args = json.load(f)
+    if isinstance(args.get("eval_dataset"), str):  # runs before several eval sets recorded one name ("" = held-out)
+        args["eval_dataset"] = [args["eval_dataset"]] if args["eval_dataset"] else []
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return Run(path, args, rows)

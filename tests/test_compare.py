@@ -271,3 +271,16 @@ def test_nan_entries_are_reported_not_hidden(tmp_path, capsys):
     path = write_run(tmp_path, "grpo_s1", "grpo", 1, rows)
     assert compare.main([path, "--metric", "m/x", "--no-plot"]) == 0
     assert f"note: m/x is NaN in {path} (1 rows); those rows are left out" in capsys.readouterr().out
+
+
+def test_old_string_eval_dataset_groups_with_the_new_list_form(tmp_path):
+    """Runs written before several eval sets existed record eval_dataset as a string ("" = held-out split); they
+    are seeds of the same configuration as new runs that record a list ([] = held-out split)."""
+    a = make_run(tmp_path, "old", "grpo", 1, 0.2, 0.3, extra={"eval_dataset": ""})
+    b = make_run(tmp_path, "new", "grpo", 2, 0.2, 0.4, extra={"eval_dataset": []})
+    c = make_run(tmp_path, "other", "grpo", 3, 0.2, 0.4, extra={"eval_dataset": "math500"})
+    d = make_run(tmp_path, "other_new", "grpo", 4, 0.2, 0.4, extra={"eval_dataset": ["math500"]})
+    groups = groups_of(a, b, c, d)
+    assert sorted(len(g.runs) for g in groups) == [2, 2]
+    assert {tuple(sorted(os.path.basename(r.path) for r in g.runs)) for g in groups} == {("new", "old"),
+                                                                                         ("other", "other_new")}
