@@ -70,7 +70,9 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
 
     parser = HfArgumentParser(args_cls, description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
     parser.error = _argparse_error  # a bad value is one line (exit 2), not the usage text
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise UserError(f"unknown argument(s): {' '.join(unknown)} (see --help)")
     return args
 
 
@@ -446,8 +448,13 @@ def _read_json(path: str) -> _Rows:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-    if isinstance(data, dict):  # {"data": [...]} or column dict
-        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if isinstance(data, dict):  # {"data": [...]} or column dict {"question": [...], "answer": [...]}
+        columns = {k: v for k, v in data.items() if isinstance(v, list)}
+        if len(columns) > 1 and len({len(v) for v in columns.values()}) == 1 and \
+                not any(isinstance(x, dict) for v in columns.values() for x in v):
+            data = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        else:
+            data = next(iter(columns.values()), None)
     if not isinstance(data, list):
         raise UserError(f"{path}: expected a JSON list of objects")
     for i, row in enumerate(data):

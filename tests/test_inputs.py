@@ -95,6 +95,7 @@ COMMON_CASES = [
     (["--model", "/nonexistent/model-folder"], "cannot load model"),
     (["--model", "BROKEN_MODEL"], "model.safetensors is truncated"),
     (["--num-generations", "two"], "invalid int value: 'two'"),
+    (["--no-such-flag", "1"], "unknown argument(s): --no-such-flag 1"),
     (["--engine", "vllm"], "--engine vllm needs"),  # this CPU test machine has no GPU / no vLLM
 ]
 METHOD_CASES = {
@@ -219,6 +220,10 @@ def test_json_and_gzip_data_errors(tmp_path):
     path = _write(tmp_path / "items.json", b'[{"question": "a", "answer": "1"}, 7]')
     with pytest.raises(common.UserError, match="item 2 of the list is a int"):
         common.load_task(path, "train", 0)
+    path = _write(tmp_path / "columns.json", json.dumps({"question": ["a", "b", "c", "d", "e"],
+                                                         "answer": ["1", "2", "3", "4", "5"]}).encode())
+    (held_out,) = common.load_task(path, "eval", 0).problems  # a column dict: 5 rows, 1 held out
+    assert held_out["answer"] == str("abcde".index(held_out["question"]) + 1)
     gz = tmp_path / "data.jsonl.gz"
     gz.write_bytes(gzip.compress(GOOD * 200)[:-20])  # cut off
     with pytest.raises(common.UserError, match="cannot read .*data.jsonl.gz"):
