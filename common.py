@@ -1342,8 +1342,8 @@ def _check_cross(args) -> str | None:
         return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
     P, M = args.prompts_per_step, args.updates_per_batch
     if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
-        return (f"--updates-per-batch {M} needs --prompts-per-step split into {M} non-empty mini-batches of whole "
-                f"prompt groups; {P} prompts give {min(P, math.ceil(P / math.ceil(P / M)))}: use a multiple of {M}")
+        return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
+                f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
     if args.resume and not os.path.isdir(args.resume):
         return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
                 + "; pass a run folder or one of its checkpoints/step_N folders")

@@ -192,6 +192,15 @@ def test_find_resume_explicit_checkpoint_and_finished_run(saved):
         common.find_resume(str(run / "nothing"))
 
 
+def test_model_flag_takes_a_checkpoint_folder(saved, tmp_path):
+    ck = _ck(saved["run"], 2)
+    assert common.resolve_model_path(str(ck)) == str(ck / "model")
+    common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+    _cut(ck / "model" / "model.safetensors")
+    with pytest.raises(common.UserError, match="model.safetensors is truncated"):
+        common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+
+
 def test_checkpoints_of_the_old_layout_still_resume(saved):
     """Before `model/` existed, the HF files and trainer_state.pt shared step_N/."""
     ck = _ck(saved["run"], 3)
