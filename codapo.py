@@ -100,6 +100,7 @@ class Args:
     eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
     eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
     save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
     resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
     output_dir: str = arg("runs", "parent folder of run folders")
     run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
@@ -130,6 +131,15 @@ class Args:
         if math.isnan(self.dual_clip_c) or 0.0 < self.dual_clip_c <= 1.0:
             raise common.UserError(f"--dual-clip-c must be > 1 (3 in the official recipe) or <= 0 (off), "
                                    f"not {self.dual_clip_c}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            raise common.UserError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm, "
+                                   f"not {self.loss_agg!r}")
+        if not 0.0 <= self.clip_low <= 1.0 or not 0.0 <= self.clip_high < math.inf:
+            raise common.UserError(f"--clip-low must be in [0, 1] and --clip-high finite and >= 0 (got {self.clip_low}, "
+                                   f"{self.clip_high})")
+        if not 0.0 < self.codapo_std_eps < math.inf or not 0.0 <= self.codapo_offset < math.inf:
+            raise common.UserError("--codapo-std-eps must be > 0 and --codapo-offset >= 0 (a negative offset can flip "
+                                   "the sign of an advantage)")
 
 
 # ALGO LOGIC: advantages
@@ -279,14 +289,15 @@ class FocusSampler(common.PromptSampler):
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
+    common.validate_args(args)  # every common flag, before anything is loaded
     common.set_cpu_threads()
     device = common.pick_device()
     args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
-    resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
+    # checkpoint (HF folder + trainer state) read and checked before the model loads
+    resume_dir, resume_ckpt, resume_state = (common.find_resume(args.resume, None if args.eval_only else args.total_steps)
+                                             if args.resume else (None, None, None))
     run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     common.seed_everything(args.seed)
-    if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
-        raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
     q_field, a_field = args.question_field or None, args.answer_field or None
     train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
                                                                  reward=args.reward)
@@ -309,7 +320,7 @@ def main(args: Args) -> None:
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     sampler = FocusSampler(len(train_task.problems), args.seed, args.repeat_count) if train_task else None  # ALGO LOGIC
     if resume_ckpt:
-        state = common.load_trainer_state(resume_ckpt, optimizer, scheduler)
+        state = common.load_trainer_state(resume_state, optimizer, scheduler)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
@@ -472,11 +483,13 @@ def main(args: Args) -> None:
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
             common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
                 "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
-                "eval_before": eval_before, "timers": dict(timers.total)})
+                "eval_before": eval_before, "timers": dict(timers.total)}, keep_last=args.keep_last)
     bar.close()
+    final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
     common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
                          eval_before, eval_after, timers.total, wall)
+    print(f"final model: {final_dir}")
     logger.close()
 
 

@@ -84,13 +84,18 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
     has_config = any(f.name == "config" for f in dataclasses.fields(args_cls))
     values = load_config(config, args_cls) if config and has_config else {}
     parser.set_defaults(**values)
+    parser.error = _argparse_error  # a bad value is one line (exit 2), not the usage text
     args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
-        raise UserError(f"unknown argument {rest[0]!r} (see --help)")
+        raise UserError(f"unknown argument(s): {' '.join(rest)} (see --help)")
     if values.get("exp_name") not in (None, args_cls.exp_name) and args.exp_name == values["exp_name"]:
         print(f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps "
               f"(pass --exp-name to change it)", file=sys.stderr)
     return args
+
+
+def _argparse_error(message: str):
+    raise UserError(f"{message} (see --help)")
 
 
 NOT_REPLAYED = ("config", "run_name", "resume")  # a replay is a new run: its own folder, not the old one's
@@ -267,6 +272,7 @@ def resolve_model_path(name: str) -> str:
     if name == EMBEDDED_MODEL:
         return embedded_model_dir()
     if os.path.isdir(name):
+        name = checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
         if not os.path.isfile(os.path.join(name, "config.json")):
             raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
         return name
@@ -488,25 +494,90 @@ def _check_fields(rows, needed: Sequence[str], source: str) -> None:
                         "Pick them with --question-field / --answer-field")
 
 
+class _Rows(list):
+    """Rows of a local file; `where[i]` names row i in error messages (`file:line` for .jsonl)."""
+
+    def __init__(self, rows: list, where: list[str]):
+        super().__init__(rows)
+        self.where = where
+
+
+def _row_place(rows, i: int, source: str) -> str:
+    where = getattr(rows, "where", None)
+    return where[i] if where else f"dataset {source}, row {i + 1}"
+
+
+def _read_jsonl(path: str) -> _Rows:
+    """One JSON object per line; a broken line, non-UTF-8 bytes or a non-object fail with `file:line`."""
+    opener = gzip.open if path.endswith(".gz") else open
+    rows, where = [], []
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                    f"{exc.start + 1}); re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or "
+                                    "remove the line (one JSON object per line)") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{lineno}: expected a JSON object, got a {type(row).__name__}")
+                rows.append(row)
+                where.append(f"{path}:{lineno}")
+    except (OSError, EOFError) as exc:  # unreadable file, truncated or corrupt .gz
+        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    return _Rows(rows, where)
+
+
+def _read_json(path: str) -> _Rows:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        lineno = raw.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}); re-encode the file as "
+                        "UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+    if isinstance(data, dict):  # {"data": [...]} or column dict {"question": [...], "answer": [...]}
+        columns = {k: v for k, v in data.items() if isinstance(v, list)}
+        if len(columns) > 1 and len({len(v) for v in columns.values()}) == 1 and \
+                not any(isinstance(x, dict) for v in columns.values() for x in v):
+            data = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        else:
+            data = next(iter(columns.values()), None)
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of objects")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: item {i + 1} of the list is a {type(row).__name__}, not a JSON object")
+    return _Rows(data, [f"{path}, item {i + 1}" for i in range(len(data))])
+
+
 def _load_rows(path: str, config: str | None, split: str | None):
     """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub)."""
     if os.path.isfile(path):
         if path.endswith(".jsonl") or path.endswith(".jsonl.gz"):
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rt") as f:
-                return [json.loads(line) for line in f if line.strip()]
+            return _read_jsonl(path)
         if path.endswith(".json"):
-            with open(path) as f:
-                data = json.load(f)
-            if isinstance(data, dict):  # {"data": [...]} or column dict
-                data = next((v for v in data.values() if isinstance(v, list)), None)
-            if not isinstance(data, list):
-                raise UserError(f"{path}: expected a JSON list of objects")
-            return data
+            return _read_json(path)
         if path.endswith(".parquet"):
             import datasets
 
-            return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+            try:
+                return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+            except Exception as exc:
+                raise UserError(f"cannot read {path} as parquet: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
         raise UserError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
     if os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")):
         raise UserError(f"dataset file {path} does not exist")
@@ -529,7 +600,7 @@ def _load_rows(path: str, config: str | None, split: str | None):
 def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: str | None, source: str) -> list[dict]:
     if kind == "code":
         problems = []
-        for row in rows:
+        for i, row in enumerate(rows):
             prob = dict(row)
             if "test_list" in prob or "entry_point" in prob or ("inputs" in prob and "outputs" in prob):
                 prob["question"] = str(row.get(q_field) or row.get("text") or row.get("prompt") or "")
@@ -537,21 +608,29 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
                     prob["question"] += "\nYour code should pass these tests:\n" + "\n".join(prob["test_list"])
                 problems.append(prob)
             else:
-                raise UserError(f"code dataset {source} rows need HumanEval fields (prompt, test, entry_point), "
-                                f"MBPP fields (text, test_list) or stdin/stdout fields (inputs, outputs); "
-                                f"its fields are {list(row.keys())}")
+                raise UserError(f"{_row_place(rows, i, source)}: code dataset rows need HumanEval fields (prompt, "
+                                f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
+                                f"outputs); this row's fields are {list(row.keys())}")
         return problems
     _check_fields(rows, [q_field, a_field], source)
-    problems = []
-    for row in rows:
+    problems, skipped = [], []
+    for i, row in enumerate(rows):
+        missing = [f for f in (q_field, a_field) if f not in row]
+        if missing:
+            raise UserError(f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
+                            f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})")
         answer = _transform_answer(row[a_field], transform)
-        if answer is None or str(row[q_field]).strip() == "":
+        if answer is None or row[q_field] is None or str(row[q_field]).strip() == "":
+            skipped.append(i)
             continue
         # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
         problems.append({**row, "question": str(row[q_field]), "answer": answer})
     if not problems:
         raise UserError(f"dataset {source}: no row had a usable question and answer "
                         f"(fields {q_field!r}, {a_field!r})")
+    if skipped:
+        print(f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
+              f"usable answer (first: {_row_place(rows, skipped[0], source)})", file=sys.stderr)
     return problems
 
 
@@ -1451,6 +1530,34 @@ def evaluate_sets(engine, tokenizer, tasks: Sequence[Task], prompts: Sequence[li
 # Logging
 
 
+def _truncate_jsonl_after_step(path: str, step: int) -> None:
+    """Keep the rows of `path` with "step" <= `step`, rewritten atomically (tmp file + os.replace). A line that
+    does not parse (the torn last write of a killed run) is dropped with one warning."""
+    if not os.path.exists(path):
+        return
+    keep, torn = [], []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                torn.append(lineno)
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                keep.append(raw.rstrip(b"\r\n") + b"\n")
+    if torn:
+        print(f"warning: {path}: dropped {len(torn)} unparsable line(s) (line {torn[0]}; a write cut off when the "
+              "run was killed)", file=sys.stderr)
+    tmp = os.path.join(os.path.dirname(path), f".tmp_{os.path.basename(path)}_{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class RunLogger:
     """metrics.jsonl (one flat row per optimizer update / evaluation), console line per step,
     TensorBoard when installed, W&B when --track."""
@@ -1460,26 +1567,10 @@ class RunLogger:
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_from_step is not None and os.path.exists(self.metrics_path):
+        if resume_from_step is not None:
             # drop rows written after the checkpoint so the resumed run re-creates them exactly once
-            with open(self.metrics_path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            keep = [r for r in rows if r.get("step", 0) <= resume_from_step]
-            with open(self.metrics_path, "w") as f:
-                for r in keep:
-                    f.write(json.dumps(r) + "\n")
-        rollouts_path = os.path.join(run_dir, "rollouts.jsonl")
-        if resume_from_step is not None and os.path.exists(rollouts_path):  # same for the rollouts dump
-            def kept(line: str) -> bool:  # a line cut short by the kill that stopped the run is dropped too
-                try:
-                    return json.loads(line)["step"] <= resume_from_step
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    return False
-
-            with open(rollouts_path) as f:
-                lines = [line for line in f if kept(line)]
-            with open(rollouts_path, "w") as f:
-                f.writelines(lines)
+            for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
+                _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
         self.tb = None
@@ -1575,7 +1666,138 @@ def print_summary(title: str, before: dict | None, after: dict | None, timers: d
 
 
 # ----------------------------------------------------------------------------------------------
-# Run folders and checkpoints
+# Argument validation: every common flag is checked before anything is loaded (one line, exit 2).
+# Method-specific flags are checked in their own script (Args.__post_init__ or main's first ALGO LOGIC block).
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (field, test of its value, what the value must be). Flat on purpose: a new common flag adds one line.
+ARG_CHECKS: list[tuple[str, Callable[[Any], bool], str]] = [
+    ("engine", lambda v: v in ("auto", "vllm", "hf"), "must be auto, vllm or hf"),
+    ("reward", lambda v: v in ("auto", "arith", "math", "code") or ":" in v,
+     "must be auto, arith, math, code or module:function"),
+    ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
+    ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
+    ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),
+    ("max_new_tokens", lambda v: v >= 1, "must be >= 1 (maximum completion length)"),
+    ("temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (the trainer divides logits by it)"),
+    ("learning_rate", lambda v: _is_num(v) and v > 0, "must be > 0"),
+    ("weight_decay", lambda v: _is_num(v) and v >= 0, "must be >= 0"),
+    ("warmup_updates", lambda v: v >= 0, "must be >= 0"),
+    ("max_grad_norm", lambda v: _is_num(v) and v > 0, "must be > 0"),
+    ("updates_per_batch", lambda v: v >= 1, "must be >= 1 (optimizer updates per rollout batch)"),
+    ("beta", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no KL term)"),
+    ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
+    ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
+    ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
+    ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
+    ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
+    ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
+    ("eval_temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (evaluation samples; pass@k needs sampling)"),
+    ("eval_k", lambda v: len(v) > 0 and all(k >= 1 for k in v), "values must be >= 1"),
+    ("save_every", lambda v: v >= 0, "must be >= 0 (0: no checkpoints; the final model is always written)"),
+    ("keep_last", lambda v: v >= 0, "must be >= 0 (0: keep every checkpoint)"),
+]
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_output_dir(args) -> str | None:
+    out = args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--output-dir {out} is a file; pass a folder (it holds one folder per run)"
+    parent = _nearest_existing(out)
+    if not os.path.isdir(parent):
+        return f"--output-dir {out}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--output-dir {out}: {parent} is not writable"
+    if args.run_name and not args.resume:
+        run_dir = os.path.join(out, args.run_name)
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+            return f"run folder {run_dir} is a file; pick another --run-name"
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            return (f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or pick another "
+                    "--run-name")
+    return None
+
+
+def _check_model_arg(args) -> str | None:
+    name = args.model
+    if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
+        return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
+    if os.path.isdir(name):
+        problem = hf_folder_problem(checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json"))
+                                    else name)
+        return f"--model {name}: {problem}" if problem else None
+    if os.path.exists(name):
+        return f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:  # a path, not a hub id (owner/name)
+        return f"cannot load model '{name}': no such folder (and not a hub id owner/name)"
+    return None
+
+
+def _check_cross(args) -> str | None:
+    if any(k > args.eval_samples for k in args.eval_k):
+        return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
+    P, M = args.prompts_per_step, args.updates_per_batch
+    if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
+        return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
+                f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
+    if args.resume and not os.path.isdir(args.resume):
+        return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
+                + "; pass a run folder or one of its checkpoints/step_N folders")
+    if args.engine == "vllm" and not torch.cuda.is_available():
+        return "--engine vllm needs a CUDA GPU; use --engine hf on CPU"
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "--engine vllm needs vLLM: see the README's GPU install line, or use --engine hf"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return "--track needs wandb: pip install wandb"
+    return None
+
+
+# checks that read several fields or the file system, run after ARG_CHECKS (each returns an error or None)
+ARG_CROSS_CHECKS: list[Callable[[Any], str | None]] = [_check_cross, _check_output_dir, _check_model_arg]
+
+
+def validate_args(args) -> None:
+    """Raise UserError (one line) for the first bad common flag. Cheap: touches no model and no dataset."""
+    for name, ok, must in ARG_CHECKS:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        try:
+            good = bool(ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            raise UserError(f"--{name.replace('_', '-')} {shown}: {must}")
+    for check in ARG_CROSS_CHECKS:
+        problem = check(args)
+        if problem:
+            raise UserError(problem)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run folders, checkpoints, the final model
+#
+#   runs/<run>/final/                         HF folder of the trained model (no optimizer state)
+#   runs/<run>/checkpoints/step_000004/model/ HF folder (weights, tokenizer, chat template, generation config)
+#   runs/<run>/checkpoints/step_000004/trainer_state.pt   optimizer, scheduler, RNG, sampler, counters
+#   runs/<run>/checkpoints/latest             name of the newest checkpoint folder
+# Everything is written to a `.tmp_*` folder and renamed into place; a killed run's `.tmp_*` folders are
+# removed by the next save or resume in that run folder.
+
+TRAINER_STATE_KEYS = ("optimizer", "scheduler", "rng", "step")
 
 
 def make_run_dir(output_dir: str, run_name: str | None, exp_name: str, seed: int) -> str:
@@ -1597,22 +1819,81 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict) -> str:
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _remove_stale_tmp(folder: str) -> None:
+    """Remove `.tmp_*` folders and `.latest.*` files that a killed run left half-written (ours excepted)."""
+    if not os.path.isdir(folder):
+        return
+    own = f"_{os.getpid()}"
+    stale = [n for n in os.listdir(folder)
+             if (n.startswith(".tmp_") and not n.endswith(own)) or (n.startswith(".latest.") and n != f".latest.{os.getpid()}")]
+    for name in stale:
+        path = os.path.join(folder, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    if stale:
+        print(f"removed {len(stale)} half-written file(s) left in {folder} by an interrupted run: {', '.join(stale)}")
+
+
+def save_hf_folder(model, tokenizer, path: str) -> None:
+    """Weights (safetensors), config, generation config, tokenizer and chat template: loadable by
+    AutoModelForCausalLM.from_pretrained and `vllm serve`. Nothing else (no optimizer state)."""
+    use_cache = model.config.use_cache
+    model.config.use_cache = True  # training turns the KV cache off; a loaded copy should generate with it
+    try:
+        model.save_pretrained(path)
+    finally:
+        model.config.use_cache = use_cache
+    tokenizer.save_pretrained(path)
+
+
+def save_final_model(run_dir: str, model, tokenizer) -> str:
+    """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path."""
+    final = os.path.join(run_dir, "final")
+    _remove_stale_tmp(run_dir)
+    tmp = os.path.join(run_dir, f".tmp_final_{os.getpid()}")
+    save_hf_folder(model, tokenizer, tmp)
+    _fsync_tree(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def _step_of(name: str) -> int | None:
+    m = re.fullmatch(r"step_(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """`checkpoints/step_N` folders of a run, newest (highest N) first."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    steps = [(s, n) for n in os.listdir(root) if (s := _step_of(n)) is not None and os.path.isdir(os.path.join(root, n))]
+    return [os.path.join(root, n) for _, n in sorted(steps, reverse=True)]
+
+
+def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
+                    keep_last: int = 0) -> str:
     """Atomic: everything goes to a temporary folder that is renamed into place, then `latest` is
-    replaced; a kill at any point leaves the previous checkpoint and `latest` intact."""
+    replaced; a kill at any point leaves the previous checkpoint and `latest` intact. `keep_last` > 0
+    removes older checkpoints so that at most that many of steps <= `step` remain."""
     ckpt_root = os.path.join(run_dir, "checkpoints")
     os.makedirs(ckpt_root, exist_ok=True)
+    _remove_stale_tmp(ckpt_root)
     final = os.path.join(ckpt_root, f"step_{step:06d}")
     tmp = os.path.join(ckpt_root, f".tmp_step_{step:06d}_{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # HF folder: loadable by transformers and vLLM
-    tokenizer.save_pretrained(tmp)
+    save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
                 "step": step, **extra}, os.path.join(tmp, "trainer_state.pt"))
-    for root, _, files in os.walk(tmp):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
+    _fsync_tree(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -1622,31 +1903,147 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(ckpt_root, "latest"))
+    if keep_last > 0:
+        older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
+        for old in older[keep_last - 1:]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _safetensors_problem(path: str) -> str | None:
+    """A complete safetensors file is 8 bytes of header size, the JSON header, then exactly the tensor bytes
+    its header announces; anything shorter is a cut-off write."""
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > size - 8:
+                return f"{name} is truncated ({size} bytes, no complete header)"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        return f"{name} is unreadable ({type(exc).__name__})"
+    if size != 8 + n + end:
+        return f"{name} is truncated ({size} of {8 + n + end} bytes)"
+    return None
+
+
+def hf_folder_problem(folder: str) -> str | None:
+    """What makes `folder` not a complete transformers model folder (None: complete), without loading it:
+    every .json file parses, and every weight file the folder (or its shard index) names is complete."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return f"{folder} has no config.json (not a transformers model folder)"
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    json.loads(f.read())
+            except (OSError, ValueError) as exc:
+                return f"{name} in {folder} is unreadable or cut off ({type(exc).__name__})"
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+    else:
+        shards = [n for n in sorted(os.listdir(folder)) if n.endswith(".safetensors")]
+    for shard in shards:
+        path = os.path.join(folder, shard)
+        if not os.path.isfile(path):
+            return f"{shard} is missing from {folder}"
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"{problem} in {folder}"
+    if not shards and not any(n.endswith((".bin", ".pt", ".pth", ".gguf")) for n in os.listdir(folder)):
+        return f"{folder} has no weight files"
+    return None
+
+
+def checkpoint_model_dir(ckpt: str) -> str:
+    """The HF folder of a checkpoint: `step_N/model/` (checkpoints of older versions: `step_N/` itself)."""
+    sub = os.path.join(ckpt, "model")
+    return sub if os.path.isdir(sub) else ckpt
+
+
+def read_checkpoint(ckpt: str) -> tuple[str, dict]:
+    """(HF model folder, trainer state) of a checkpoint folder, both checked before any model is loaded;
+    raises ValueError with the reason when something is missing or cut off."""
+    model_dir = checkpoint_model_dir(ckpt)
+    problem = hf_folder_problem(model_dir)
+    if problem:
+        raise ValueError(problem)
+    path = os.path.join(ckpt, "trainer_state.pt")
+    if not os.path.isfile(path):
+        raise ValueError("no trainer_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # truncated zip, unpickling error, ...
+        raise ValueError(f"trainer_state.pt is unreadable ({type(exc).__name__}: "
+                         f"{(str(exc).splitlines() or [''])[0][:120]})") from None
+    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(f"trainer_state.pt lacks {missing[0]!r}")
+    return model_dir, state
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
-    pointer = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        path = os.path.join(run_dir, "checkpoints", f.read().strip())
-    return path if os.path.isfile(os.path.join(path, "trainer_state.pt")) else None
+    """The newest complete checkpoint folder of a run (None if there is none)."""
+    for ckpt in checkpoint_dirs(run_dir):
+        try:
+            read_checkpoint(ckpt)
+            return ckpt
+        except ValueError:
+            continue
+    return None
 
 
-def find_resume(resume: str) -> tuple[str, str]:
-    """`--resume` takes a run folder or one of its checkpoint folders; returns (run_dir, checkpoint)."""
-    if os.path.isfile(os.path.join(resume, "trainer_state.pt")):
-        return os.path.dirname(os.path.dirname(os.path.abspath(resume))), resume
-    ckpt = latest_checkpoint(resume)
-    if ckpt is None:
-        raise UserError(f"--resume {resume}: no checkpoint found (expected {resume}/checkpoints/latest); "
-                        "start with --save-every N to write them")
-    return resume, ckpt
+def find_resume(resume: str, total_steps: int | None = None) -> tuple[str, str, dict]:
+    """`--resume` takes a run folder (its newest complete checkpoint is used; broken newer ones are skipped with
+    one warning) or a checkpoint folder `checkpoints/step_N` (or its `model/`). Returns (run_dir, HF model folder,
+    trainer state), all checked before any model is loaded."""
+    path = os.path.normpath(resume)
+    if os.path.basename(path) == "model" and _step_of(os.path.basename(os.path.dirname(path))) is not None:
+        path = os.path.dirname(path)
+    if _step_of(os.path.basename(path)) is not None or os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        try:
+            model_dir, state = read_checkpoint(path)
+        except ValueError as exc:
+            raise UserError(f"--resume {resume}: broken checkpoint ({exc}); pass the run folder "
+                            f"{run_dir} to resume from its newest complete checkpoint") from None
+    else:
+        run_dir = path
+        candidates = checkpoint_dirs(run_dir)
+        if not candidates:
+            raise UserError(f"--resume {resume}: no checkpoint found (expected {resume}/checkpoints/step_N); "
+                            "start with --save-every N to write them")
+        broken, found = [], None
+        for ckpt in candidates:
+            try:
+                found = (ckpt, *read_checkpoint(ckpt))
+                break
+            except ValueError as exc:
+                broken.append(f"{os.path.basename(ckpt)} ({exc})")
+        if found is None:
+            raise UserError(f"--resume {resume}: no complete checkpoint: {'; '.join(broken)}")
+        if broken:
+            print(f"warning: skipped broken checkpoint(s) {'; '.join(broken)}; resuming from "
+                  f"{os.path.basename(found[0])}", file=sys.stderr)
+        _, model_dir, state = found
+    if total_steps is not None and state["step"] >= total_steps:
+        raise UserError(f"--resume {resume}: the checkpoint is at step {state['step']}, --total-steps is {total_steps}: "
+                        "nothing left to train (raise --total-steps to continue)")
+    _remove_stale_tmp(os.path.join(run_dir, "checkpoints"))
+    _remove_stale_tmp(run_dir)
+    return run_dir, model_dir, state
 
 
-def load_trainer_state(ckpt: str, optimizer, scheduler) -> dict:
-    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+def load_trainer_state(state: dict | str, optimizer, scheduler) -> dict:
+    """Apply a trainer state (from find_resume, or read from a checkpoint folder) to the optimizer, scheduler
+    and RNGs; returns the state."""
+    if isinstance(state, str):
+        state = read_checkpoint(state)[1]
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])

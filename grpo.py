@@ -70,6 +70,7 @@ class Args:
     eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
     eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
     save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
     resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
     output_dir: str = arg("runs", "parent folder of run folders")
     run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
@@ -83,6 +84,16 @@ class Args:
     clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (DAPO clip-higher: 0.28)")
     scale_rewards: str = arg("group", "advantage scale: group (divide by group std + 1e-4) or none (Dr. GRPO)")
     loss_agg: str = arg("token-mean", "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)")
+
+    def __post_init__(self):  # GRPO's own flags fail here, before anything loads (common flags: common.validate_args)
+        if self.scale_rewards not in ("group", "none"):
+            raise common.UserError(f"--scale-rewards must be group or none, not {self.scale_rewards!r}")
+        if self.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            raise common.UserError(f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm, "
+                                   f"not {self.loss_agg!r}")
+        if not 0.0 <= self.clip_low <= 1.0 or not 0.0 <= self.clip_high < math.inf:
+            raise common.UserError(f"--clip-low must be in [0, 1] and --clip-high finite and >= 0 (got {self.clip_low}, "
+                                   f"{self.clip_high})")
 
 
 # ALGO LOGIC: advantages
@@ -139,14 +150,15 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
+    common.validate_args(args)  # every common flag, before anything is loaded
     common.set_cpu_threads()
     device = common.pick_device()
     args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
-    resume_dir, resume_ckpt = common.find_resume(args.resume) if args.resume else (None, None)
+    # checkpoint (HF folder + trainer state) read and checked before the model loads
+    resume_dir, resume_ckpt, resume_state = (common.find_resume(args.resume, None if args.eval_only else args.total_steps)
+                                             if args.resume else (None, None, None))
     run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     common.seed_everything(args.seed)
-    if args.eval_samples < 1 or any(k > args.eval_samples for k in args.eval_k):
-        raise common.UserError("--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)")
     q_field, a_field = args.question_field or None, args.answer_field or None
     train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
                                                                  reward=args.reward)
@@ -168,7 +180,7 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume_ckpt:
-        state = common.load_trainer_state(resume_ckpt, optimizer, scheduler)
+        state = common.load_trainer_state(resume_state, optimizer, scheduler)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
@@ -303,11 +315,13 @@ def main(args: Args) -> None:
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
             common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
                 "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
-                "eval_before": eval_before, "timers": dict(timers.total)})
+                "eval_before": eval_before, "timers": dict(timers.total)}, keep_last=args.keep_last)
     bar.close()
+    final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
     common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
                          eval_before, eval_after, timers.total, wall)
+    print(f"final model: {final_dir}")
     logger.close()
 
 

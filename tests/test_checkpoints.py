@@ -1,0 +1,282 @@
+"""Run folder outputs: `final/` after every training run, the checkpoint layout (HF folder without optimizer state
++ trainer_state.pt), --keep-last, removal of half-written `.tmp_*` folders, checks of a checkpoint before any model
+is loaded with fallback to the newest complete one, and a torn last line of metrics.jsonl on resume."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import common
+import grpo
+
+from tests import tiny
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt_toy")
+    model = tiny.make_tiny_model(str(d / "model"))
+    rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghij"]
+    return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows)}
+
+
+def _args(toy, out, name, steps, **kw):
+    settings = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=2,
+                    num_generations=4, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, updates_per_batch=2,
+                    eval_limit=2, eval_samples=1, eval_k=[1], output_dir=str(out), run_name=name)
+    return grpo.Args(**{**settings, **kw})
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]  # every line parses
+
+
+def _train(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
+            for r in rows if "losses/policy_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def trained(toy, tmp_path_factory):
+    """One grpo run of 3 steps, a checkpoint every step, --keep-last 2."""
+    out = tmp_path_factory.mktemp("ckpt_runs")
+    grpo.main(_args(toy, out, "run", 3, save_every=1, keep_last=2))
+    return out / "run"
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_final_model_is_a_complete_hf_folder_without_optimizer_state(trained, toy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = trained / "final"
+    names = set(os.listdir(final))
+    assert {"config.json", "model.safetensors", "generation_config.json", "chat_template.jinja",
+            "tokenizer.json", "tokenizer_config.json"} <= names, names
+    assert not [n for n in names if n.endswith((".pt", ".bin", ".pth")) or "optim" in n], names
+    assert common.hf_folder_problem(str(final)) is None
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    assert model.config.use_cache is True  # training switches it off; the saved model generates with the KV cache
+    assert AutoTokenizer.from_pretrained(str(final)).chat_template == tiny.CHAT_TEMPLATE
+    # the trained weights: those of the last step's checkpoint, not the initial model's
+    final_w, last_w, init_w = _weights(final), _weights(trained / "checkpoints" / "step_000003" / "model"), \
+        _weights(toy["model"])
+    assert final_w.keys() == last_w.keys() == init_w.keys()
+    assert all(torch.equal(final_w[k], last_w[k]) for k in final_w)
+    assert any(not torch.equal(final_w[k], init_w[k]) for k in final_w)
+
+
+def test_final_model_path_is_printed_and_written_without_save_every(toy, tmp_path, capsys):
+    grpo.main(_args(toy, tmp_path, "plain", 1))
+    out = capsys.readouterr().out
+    assert f"final model: {tmp_path / 'plain' / 'final'}" in out
+    assert common.hf_folder_problem(str(tmp_path / "plain" / "final")) is None
+    assert not os.path.exists(tmp_path / "plain" / "checkpoints")
+    assert not [n for n in os.listdir(tmp_path / "plain") if n.startswith(".tmp")]
+
+
+def test_checkpoint_layout_and_keep_last(trained):
+    ckpts = trained / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_000002", "step_000003"]  # --keep-last 2 removed step 1
+    assert (ckpts / "latest").read_text() == "step_000003"
+    assert sorted(os.listdir(ckpts / "step_000003")) == ["model", "trainer_state.pt"]
+    model_files = os.listdir(ckpts / "step_000003" / "model")
+    assert "model.safetensors" in model_files and not [n for n in model_files if n.endswith(".pt")]
+    state = torch.load(ckpts / "step_000003" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 3 and state["update"] == 6 and state["optimizer"]["state"]  # Adam moments are here
+
+
+def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metrics_line(trained, toy, tmp_path,
+                                                                                          capsys):
+    run = tmp_path / "killed"
+    shutil.copytree(trained, run)
+    original = _train(_rows(run))
+    ckpts = run / "checkpoints"
+    # what a kill leaves: half-written folders, a cut-off trainer_state.pt, a torn last metrics line
+    (ckpts / ".tmp_step_000004_999999" / "model").mkdir(parents=True)
+    (ckpts / ".tmp_step_000004_999999" / "model" / "model.safetensors").write_bytes(b"\0" * 100)
+    (run / ".tmp_final_999999").mkdir()
+    state_file = ckpts / "step_000003" / "trainer_state.pt"
+    state_file.write_bytes(state_file.read_bytes()[:1000])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "update": 7, "losses/pol')
+    capsys.readouterr()
+
+    grpo.main(_args(toy, tmp_path, "ignored", 4, save_every=1, keep_last=2, resume=str(run)))
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, captured.err
+    assert "step_000003 (trainer_state.pt is unreadable" in warnings[0] and "resuming from step_000002" in warnings[0]
+    assert "metrics.jsonl: dropped 1 unparsable line" in warnings[1]
+    assert "removed 1 half-written" in captured.out
+    assert not [p for d in (run, ckpts) for p in os.listdir(d) if p.startswith(".tmp")]
+    assert sorted(os.listdir(ckpts)) == ["latest", "step_000003", "step_000004"]
+    resumed = _train(_rows(run))  # every line parses
+    assert [r["update"] for r in resumed] == list(range(1, 9))  # each update exactly once
+    # the re-run step 3 (from step 2's checkpoint) reproduces the original step 3
+    for a, b in zip(original[4:6], resumed[4:6]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    assert common.hf_folder_problem(str(run / "final")) is None
+
+
+# ----- unit level: no training
+
+
+@pytest.fixture
+def saved(toy, tmp_path):
+    """A run folder with checkpoints at steps 1, 2, 3 of the tiny model (optimizer state non-empty)."""
+    device = torch.device("cpu")
+    model = common.load_model(toy["model"], device)
+    tokenizer = common.load_tokenizer(toy["model"])
+    optimizer, scheduler = common.make_optimizer(model, 1e-3, 0.0, 1)
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        model(torch.tensor([[3, 4, 5]])).logits.mean().backward()
+        optimizer.step()
+        scheduler.step()
+        common.save_checkpoint(str(run), step, model, tokenizer, optimizer, scheduler,
+                               {"update": step, "sampler": {"epoch": 0, "pos": step}})
+    return {"run": run, "model": model, "tokenizer": tokenizer, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def _ck(run, step):
+    return run / "checkpoints" / f"step_{step:06d}"
+
+
+def _cut(path, n=10):
+    path.write_bytes(path.read_bytes()[:-n])
+
+
+def test_find_resume_falls_back_to_the_newest_complete_checkpoint(saved, capsys):
+    run = saved["run"]
+    run_dir, model_dir, state = common.find_resume(str(run))
+    assert (run_dir, model_dir, state["step"]) == (str(run), str(_ck(run, 3) / "model"), 3)
+    _cut(_ck(run, 3) / "model" / "model.safetensors")
+    _, model_dir, state = common.find_resume(str(run))
+    assert model_dir == str(_ck(run, 2) / "model") and state["step"] == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step_000003 (model.safetensors is truncated" in err[0], err
+    (_ck(run, 2) / "trainer_state.pt").write_bytes(b"not a zip")
+    _, model_dir, state = common.find_resume(str(run))
+    assert state["step"] == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step_000003" in err[0] and "step_000002 (trainer_state.pt is unreadable" in err[0]
+    _cut(_ck(run, 1) / "model" / "config.json")
+    with pytest.raises(common.UserError, match="no complete checkpoint: step_000003 .*; step_000002 .*; step_000001 "
+                                               r"\(config.json .* is unreadable or cut off"):
+        common.find_resume(str(run))
+
+
+def test_find_resume_explicit_checkpoint_and_finished_run(saved):
+    run = saved["run"]
+    for path in (_ck(run, 2), _ck(run, 2) / "model", str(_ck(run, 2)) + "/"):
+        run_dir, model_dir, state = common.find_resume(str(path))
+        assert (run_dir, model_dir, state["step"]) == (str(run), str(_ck(run, 2) / "model"), 2)
+    with pytest.raises(common.UserError, match="checkpoint is at step 3, --total-steps is 3: nothing left"):
+        common.find_resume(str(run), total_steps=3)
+    assert common.find_resume(str(run), total_steps=4)[2]["step"] == 3
+    _cut(_ck(run, 2) / "trainer_state.pt", 100)
+    with pytest.raises(common.UserError, match="broken checkpoint .*trainer_state.pt is unreadable.*pass the run folder"):
+        common.find_resume(str(_ck(run, 2)))
+    with pytest.raises(common.UserError, match="no checkpoint found"):
+        common.find_resume(str(run / "nothing"))
+
+
+def test_model_flag_takes_a_checkpoint_folder(saved, tmp_path):
+    ck = _ck(saved["run"], 2)
+    assert common.resolve_model_path(str(ck)) == str(ck / "model")
+    common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+    _cut(ck / "model" / "model.safetensors")
+    with pytest.raises(common.UserError, match="model.safetensors is truncated"):
+        common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+
+
+def test_checkpoints_of_the_old_layout_still_resume(saved):
+    """Before `model/` existed, the HF files and trainer_state.pt shared step_N/."""
+    ck = _ck(saved["run"], 3)
+    for name in os.listdir(ck / "model"):
+        os.replace(ck / "model" / name, ck / name)
+    os.rmdir(ck / "model")
+    _, model_dir, state = common.find_resume(str(saved["run"]))
+    assert model_dir == str(ck) and state["step"] == 3
+
+
+def test_trainer_state_restores_optimizer_and_rng(saved):
+    _, _, state = common.find_resume(str(saved["run"]))
+    model = common.load_model(str(_ck(saved["run"], 3) / "model"), torch.device("cpu"))
+    optimizer, scheduler = common.make_optimizer(model, 1e-3, 0.0, 1)
+    torch.manual_seed(123)
+    common.load_trainer_state(state, optimizer, scheduler)
+    a, b = optimizer.state_dict()["state"], saved["optimizer"].state_dict()["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
+    assert scheduler.state_dict()["last_epoch"] == 3
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+
+
+def test_keep_last_never_removes_the_new_or_a_newer_checkpoint(saved):
+    run, s = saved["run"], saved
+    common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
+    # resumed from an older checkpoint: rewriting step 2 keeps steps 3 and 4 (the run will overwrite them)
+    common.save_checkpoint(str(run), 2, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000001", "step_000002", "step_000003",
+                                                       "step_000004"]
+    common.save_checkpoint(str(run), 5, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000004", "step_000005"]
+
+
+def test_save_removes_half_written_tmp_folders(saved, capsys):
+    run, s = saved["run"], saved
+    stale = run / "checkpoints" / ".tmp_step_000009_424242"
+    (stale / "model").mkdir(parents=True)
+    (run / "checkpoints" / ".latest.424242").write_text("step_000009")
+    capsys.readouterr()
+    common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
+    assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".")]
+    assert "removed 2 half-written" in capsys.readouterr().out
+    (run / ".tmp_final_424242").mkdir()
+    common.save_final_model(str(run), s["model"], s["tokenizer"])
+    assert not [n for n in os.listdir(run) if n.startswith(".")]
+
+
+def test_safetensors_completeness_check(saved):
+    path = _ck(saved["run"], 1) / "model" / "model.safetensors"
+    assert common._safetensors_problem(str(path)) is None
+    full = path.read_bytes()
+    path.write_bytes(full[:-1])
+    assert "truncated" in common._safetensors_problem(str(path))
+    path.write_bytes(full[:6])
+    assert "no complete header" in common._safetensors_problem(str(path))
+    path.write_bytes(full[:8] + b"{not json" + full[17:])
+    assert "unreadable" in common._safetensors_problem(str(path))
+
+
+def test_torn_metrics_line_is_dropped_and_the_file_rewritten_atomically(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "update": 2 * s + i, "x": 1.0} for s in range(4) for i in range(2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "upd')
+    (run / "samples.jsonl").write_text(json.dumps({"step": 0, "c": "a"}) + "\n" + json.dumps({"step": 3}) + "\n")
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real_replace(a, b)))
+    logger = common.RunLogger(str(run), grpo.Args(), resume_from_step=2)
+    logger.close()
+    assert _rows(run) == [r for r in rows if r["step"] <= 2]
+    with open(run / "samples.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [0]
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(err) == 1 and "metrics.jsonl: dropped 1 unparsable line(s) (line 9" in err[0]
+    renamed = [(os.path.basename(a), os.path.basename(b)) for a, b in replaced if b.endswith(".jsonl")]
+    assert [b for _, b in renamed] == ["metrics.jsonl", "samples.jsonl"]  # written to a tmp file, renamed into place
+    assert all(a.startswith(".tmp_") for a, _ in renamed)
+    assert not [n for n in os.listdir(run) if n.startswith(".tmp")]
