@@ -1678,7 +1678,7 @@ def _is_num(v) -> bool:
 ARG_CHECKS: list[tuple[str, Callable[[Any], bool], str]] = [
     ("engine", lambda v: v in ("auto", "vllm", "hf"), "must be auto, vllm or hf"),
     ("reward", lambda v: v in ("auto", "arith", "math", "code") or ":" in v,
-     "must be auto, arith, math, code or module:function"),
+     "must be auto, arith, math, code, or your own function as module:function or path.py:function"),
     ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
     ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
     ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),

@@ -155,7 +155,7 @@ def test_custom_reward_gets_a_copy_of_the_problem(toy):
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("mathh", "--reward must be auto, arith, math, code, or your own function"),
+    ("mathh", "--reward mathh: must be auto, arith, math, code, or your own function"),
     ("/nonexistent/r.py:fn", "file /nonexistent/r.py does not exist"),
     ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
     ("FILE:missing", "has no attribute 'missing'"),
