@@ -247,9 +247,7 @@ def load_model(name: str, device: torch.device, gradient_checkpointing: bool = F
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name)
-    if compute_dtype == "auto":
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
-    dtype = torch.float32 if trainable or compute_dtype is None else compute_dtype
+    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
@@ -278,6 +276,15 @@ def load_model(name: str, device: torch.device, gradient_checkpointing: bool = F
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def model_dtypes(device: torch.device, trainable: bool = True,
+                 compute_dtype: torch.dtype | None | str = "auto") -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
+    compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
+    if compute_dtype == "auto":
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
 
 
 def autocast_context(model):

@@ -50,6 +50,14 @@ def _changed(before: dict, after: dict) -> tuple[float, float]:
     return changed / n, total / n
 
 
+def test_model_dtypes_per_device():
+    cuda, cpu, bf16, fp32 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16, torch.float32
+    assert common.model_dtypes(cuda) == (fp32, bf16)  # policy: fp32 master weights, bf16 compute
+    assert common.model_dtypes(cuda, trainable=False) == (bf16, bf16)  # frozen reference: bf16 weights
+    assert common.model_dtypes(cpu) == (fp32, None) == common.model_dtypes(cpu, trainable=False)  # CPU unchanged
+    assert common.model_dtypes(cpu, compute_dtype=bf16) == (fp32, bf16)
+
+
 def test_load_model_dtypes_and_autocast(tiny_path):
     cpu = torch.device("cpu")
     default = common.load_model(tiny_path, cpu)
