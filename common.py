@@ -24,6 +24,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -341,12 +342,19 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True):
-    """Causal LM in bf16 on CUDA, fp32 on CPU."""
+def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
+               compute_dtype: torch.dtype | None | str = "auto"):
+    """Causal LM on `device`. `compute_dtype` ("auto": bf16 on CUDA, None on CPU) is the autocast dtype of its
+    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
+
+    trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
+    state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
+    so that --gradient-checkpointing takes effect; dropout stays at the model's config.
+    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
@@ -360,12 +368,39 @@ def load_model(name: str, device: torch.device, gradient_checkpointing: bool = F
         raise _hub_error(name, exc) from None
     model.to(device)
     model.config.use_cache = False
-    if gradient_checkpointing and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not trainable:
+    model.autocast_dtype = compute_dtype  # read by autocast_context(model)
+    if trainable:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
+        model.train()
+        dropout = {k: v for k, v in model.config.to_dict().items()
+                   if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+        if dropout:
+            print(f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
+                  "training-mode forward passes then differ from the sampler's (docs/precision.md)", flush=True)
+    else:
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def model_dtypes(device: torch.device, trainable: bool = True,
+                 compute_dtype: torch.dtype | None | str = "auto") -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
+    compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
+    if compute_dtype == "auto":
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
+
+
+def autocast_context(model):
+    """Autocast context for `model`'s forward passes in its `autocast_dtype` (set by load_model: bf16 on CUDA);
+    a no-op for models without one (CPU default, models built elsewhere)."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1044,18 +1079,23 @@ class HFEngine:
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int | None = None, desc: str = "generate", progress: bool = True) -> RolloutBatch:
         from tqdm.auto import tqdm
+        from transformers import GenerationConfig
 
         model = self.model
         was_training = model.training
         model.eval()
         use_cache = model.config.use_cache
         model.config.use_cache = True
+        config = self.sampling_config(max_new_tokens, temperature)
         rows = [ids for ids in prompt_ids for _ in range(n)]
         out = RolloutBatch([], [], [], [], [] if self.return_logps else None)
         device = next(model.parameters()).device
         # prompts of the same length batch together with little padding; keep group order in the output
         chunk = max(n, (self.gen_batch_size // n) * n)
         bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
+        # generate() fills every field left None in `config` from model.generation_config (a Qwen-Instruct
+        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
+        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
         try:
             for start in range(0, len(rows), chunk):
                 batch = rows[start:start + chunk]
@@ -1065,12 +1105,9 @@ class HFEngine:
                 for i, r in enumerate(batch):
                     input_ids[i, width - len(r):] = torch.tensor(r)
                     attention[i, width - len(r):] = 1
-                gen = model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention.to(device), do_sample=True,
-                    temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                    pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids),
-                    return_dict_in_generate=True, output_scores=self.return_logps,
-                )
+                with autocast_context(model):
+                    gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                         generation_config=config)
                 new_tokens = gen.sequences[:, width:].cpu()
                 if self.return_logps:
                     # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
@@ -1089,9 +1126,20 @@ class HFEngine:
                 bar.update(len(batch))
         finally:
             bar.close()
+            model.generation_config = model_generation_config
             model.config.use_cache = use_cache
             model.train(was_training)
         return out
+
+    def sampling_config(self, max_new_tokens: int, temperature: float):
+        """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
+        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
+            return_dict_in_generate=True, output_scores=self.return_logps)
 
     def push_weights(self, model) -> None:  # same object: nothing to copy
         return None
@@ -1322,7 +1370,8 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
 
 def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         targets: torch.Tensor, temperature: float, softcap: float | None):
-    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax."""
+    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
+    logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
     logits = F.linear(hidden, weight, bias).float()
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
@@ -1348,8 +1397,9 @@ def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens:
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     T = batch.completion_ids.shape[1]
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # (B, L, H)
+    with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
+        hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # (B, L, H)
     hidden = hidden[:, -T - 1:-1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -1360,11 +1410,12 @@ def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens:
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         h = flat_hidden[start:start + chunk_tokens]
         y = flat_targets[start:start + chunk_tokens]
-        if torch.is_grad_enabled():
-            lp, ent = torch.utils.checkpoint.checkpoint(
-                _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
+        with autocast_context(model):  # the recompute in backward restores the same autocast state
+            if torch.is_grad_enabled():
+                lp, ent = torch.utils.checkpoint.checkpoint(
+                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
+            else:
+                lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
         logps.append(lp)
         ents.append(ent)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
@@ -1462,7 +1513,12 @@ def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch
 
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
+    """Fused AdamW over the trainable parameters; its state takes their dtype (fp32 from load_model)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
+                      "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)")
     # fused AdamW: one kernel per parameter group instead of a Python loop over 272 tensors
     # (bench/optimizer_step.py: 0.38 s -> 0.09 s per update for the embedded model on 2 CPU cores)
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)

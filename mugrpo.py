@@ -89,7 +89,7 @@ class Args:
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
-    gradient_checkpointing: bool = arg(False, "recompute activations in backward (less memory, ~30% slower)")
+    gradient_checkpointing: bool = arg(False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)")
     eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
     eval_samples: int = arg(4, "samples per evaluation problem (n)")
     eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
