@@ -116,8 +116,10 @@ def main() -> int:
     k = args.max_new_tokens
     gv, gh = greedy_vllm(engine, prompts, k), greedy_hf(model, tok, prompts, k)
     same = sum(a == b for a, b in zip(gv, gh))
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(gv, gh)]
-    row("greedy", f"{same}/{len(prompts)} identical", f"first differing position per prompt {first} (of {k})")
+    first = ["=" if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+             for a, b in zip(gv, gh)]
+    row("greedy", f"{same}/{len(prompts)} identical", f"first differing position per prompt {first} (= identical; "
+        f"{k} tokens or EOS)")
     for T in (1.0, 0.7):
         r = engine.generate(prompts, 4, k, T, seed=11, progress=False)
         m, x = logp_diff(model, r, pad, T)
