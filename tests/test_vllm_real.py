@@ -9,11 +9,12 @@ method script with --engine vllm. What a CPU run cannot show (real sleep mode, C
 bench/vllm_parity.py's job on a GPU.
 
 Tolerance (LOGP_TOL_MEAN / LOGP_TOL_MAX, |engine log-prob - trainer log-prob| per sampled token). Measured on
-SmolLM2-135M in fp32 on this CPU (docs/vllm.md): mean 1.1e-5 / max 4.0e-5 at T = 1.0, mean 7.2e-6 / max
-4.8e-5 at T = 0.7 - float32 rounding of two different kernel stacks (oneDNN GEMMs and vLLM's attention vs
-torch's) over 30 layers. The bounds sit ~10x above the measured maxima (other CPUs pick other kernels) and
-far below what a real defect gives: a stale layer after a push, or a temperature mismatch, moves log-probs by
-1e-2 .. 1 (each test below asserts its defect case is > WRONG_MIN, so the bound is shown to discriminate).
+SmolLM2-135M in fp32 on this CPU (docs/vllm.md): mean 1.0e-5 / max 4.4e-5 at T = 1.0, mean 7.1e-6 / max
+5.7e-5 at T = 0.7 - float32 rounding of two different kernel stacks (oneDNN GEMMs and vLLM's attention vs
+torch's) over 30 layers. The bounds (mean 1e-4, max 1e-3) sit 10-20x above the measured values (other CPUs
+pick other kernels; a norm perturbation of 0.1 once gave a max of 4.9e-4) and far below what a real defect
+gives: a stale layer after a push, or a temperature mismatch, moves log-probs by 1e-2 .. 1 (each test below
+asserts its defect case is > WRONG_MIN, so the bound is shown to discriminate).
 """
 from __future__ import annotations
 
