@@ -30,6 +30,7 @@ import select
 import shutil
 import signal
 import site
+import stat
 import subprocess
 import sys
 import tempfile
@@ -465,7 +466,8 @@ FALLBACK_LIMITS = (
     "loopback and the network; see every host process. Use it only with trusted completions."
 )
 
-# Runs inside the sandbox as `python -I -S -c _HARNESS_SRC <folder> <status fd>`: trusted code, the judge.
+# Runs inside the sandbox as `python -I -S -c _HARNESS_SRC <folder> <status fd> <job fd> <secret fd>`:
+# trusted code, the judge.
 # It reports "started" and, only after the last test passed, "passed" through a pipe whose tokens the
 # parent drew at random; the program runs in a separate runner process that cannot reach either.
 _HARNESS_SRC = r'''
@@ -480,7 +482,7 @@ import builtins, json, os, sys
 # except its own folder. The judge sees only plain data from the runner.
 
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP = 4, 38, 28, 24
-CLONE_NEWUSER, MS_BIND, MS_REC, AT_RECURSIVE = 0x10000000, 4096, 16384, 0x8000
+CLONE_NEWUSER, MS_NOSUID, MS_NODEV, MS_BIND, AT_RECURSIVE = 0x10000000, 2, 4, 4096, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, SYS_MOUNT_SETATTR, SYS_CAPSET = 1, 2, 442, 126
 RUNNER_IN, RUNNER_OUT, MAX_DEPTH = 100, 101, 64
 _libc = None
@@ -508,10 +510,19 @@ def mount_setattr(path, attr_set, attr_clr, flags):
     ok(libc().syscall(SYS_MOUNT_SETATTR, -100, path.encode(), flags, attr, 32), "mount_setattr " + path)
 
 
-def read_only_except(work):
+def read_only_except(work, hide):
     """Every mount of this (private) mount namespace read-only and nosuid, except the runner's
-    folder (a bind mount of itself) and /proc (the runner writes its own uid_map)."""
-    ok(libc().mount(work.encode(), work.encode(), None, MS_BIND, None), "bind " + work)
+    folder (a bind mount of itself) and /proc (the runner writes its own uid_map). `hide`, the
+    folder that holds every sandbox's folder, is covered by an empty tmpfs first (the other runs'
+    programs and files are out of sight), with only this run's folder bound back into it."""
+    if hide:
+        keep = os.open(work, os.O_PATH)
+        ok(libc().mount(b"tmpfs", hide.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=700,size=64k"), "tmpfs")
+        os.makedirs(work, mode=0o700)
+        ok(libc().mount(f"/proc/self/fd/{keep}".encode(), work.encode(), None, MS_BIND, None), "bind " + work)
+        os.close(keep)
+    else:
+        ok(libc().mount(work.encode(), work.encode(), None, MS_BIND, None), "bind " + work)
     mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, AT_RECURSIVE)
     mount_setattr(work, 0, MOUNT_ATTR_RDONLY, 0)
     mount_setattr("/proc", 0, MOUNT_ATTR_RDONLY, 0)
@@ -812,18 +823,15 @@ def judge_stdio(job, secret_fd, status_fd):
 
 def main():
     import resource
-    tmp, status_fd = sys.argv[1], int(sys.argv[2])
+    tmp, status_fd, job_fd, secret_fd = sys.argv[1], *map(int, sys.argv[2:5])
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
     os.chdir(tmp)
-    with open("job.json", "rb") as f:
+    with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
         job = json.loads(f.read())
-    os.unlink("job.json")
-    secret_fd = os.open("secret.json", os.O_RDONLY)
-    os.unlink("secret.json")
-    for name, value in (("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0)):
+    for name, value in (("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0), ("RLIMIT_AS", job["memory"])):
         resource.setrlimit(getattr(resource, name), (value, value))
     if job["sandbox"] != "fallback":
-        read_only_except(job["work"])
+        read_only_except(job["work"], job["hide"])
     sys.path.extend(job["site"])
     os.chdir("/")
     try:  # the pass token, returned by the judge only after the last test passed
@@ -1010,25 +1018,49 @@ def _run_sandbox(job: dict, timeout: float, mode: str | None = None) -> SandboxR
         return _run_sandbox_now(job, timeout, mode)
 
 
+_sandbox_parent_path: str | None = None
+
+
+def _sandbox_parent() -> str | None:
+    """The folder that holds every sandbox folder of this user (so that the namespace modes can
+    hide it): `<tmp>/verifiers-sandboxes-<uid>`, 0700, ours. None (folders directly in the
+    temporary folder, nothing hidden) if it cannot be made safely."""
+    global _sandbox_parent_path
+    path = os.path.join(tempfile.gettempdir(), f"verifiers-sandboxes-{os.geteuid()}")
+    if _sandbox_parent_path != path:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                raise OSError(f"{path} is not a private folder of this user")
+        except OSError as exc:
+            log.warning("code sandbox: %s; sandbox folders go directly into the temporary folder", exc)
+            return None
+        _sandbox_parent_path = path
+    return path
+
+
 def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
     start = time.monotonic()
     run_id, start_token, pass_token = (secrets.token_hex(16) for _ in range(3))
     try:
-        tmp = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX)
+        parent = _sandbox_parent()
+        tmp = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=parent)
         work = os.path.join(tmp, "work")  # the only folder the program can write in the namespace modes
         os.mkdir(work, 0o700)
     except OSError as exc:
         log.warning("code sandbox could not start: %s", exc)
         return SandboxResult("error", mode, time.monotonic() - start, str(exc))
     read_fd, write_fd = os.pipe()
-    proc, finished, error = None, False, ""
+    proc, finished, error, handles = None, False, "", []
     try:
         # what the runner (the program's process) may know; the rest is read by the judge only
-        # after the runner has been forked, from a file unlinked before the fork
+        # after the runner has been forked (the runner closes that file first)
         public = {key: value for key, value in job.items() if key != "secret"}
         public.update(
             sandbox=mode,
             work=work,
+            hide=parent,
             site=_SITE_DIRS,
             timeout=timeout,
             cpu=int(math.ceil(timeout)) + 1,
@@ -1038,9 +1070,11 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
             message=SANDBOX_MESSAGE_BYTES,
         )
         secret = dict(job["secret"], start_token=start_token, pass_token=pass_token)
-        for name, content in (("job.json", public), ("secret.json", secret)):
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                json.dump(content, f)
+        for content in (public, secret):  # nameless files (O_TMPFILE): nothing to find on disk
+            handle = tempfile.TemporaryFile(dir=tmp)
+            handles.append(handle)
+            handle.write(json.dumps(content).encode())
+            handle.seek(0)
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": work,
@@ -1052,25 +1086,30 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
             _SANDBOX_MARKER: run_id,
         }
         prefix = [] if mode == "fallback" else [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS[mode]]
+        fds = (write_fd, *(handle.fileno() for handle in handles))
         with open(os.path.join(tmp, "stdout"), "wb") as out, open(os.path.join(tmp, "stderr"), "wb") as err:
             proc = subprocess.Popen(
-                [*prefix, sys.executable, "-I", "-S", "-c", _HARNESS_SRC, tmp, str(write_fd)],
+                [*prefix, sys.executable, "-I", "-S", "-c", _HARNESS_SRC, tmp, *map(str, fds)],
                 cwd=tmp,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                pass_fds=(write_fd,),
+                pass_fds=fds,
             )
         os.close(write_fd)
         write_fd = -1
+        for handle in handles:
+            handle.close()
         finished = _wait_exit(proc, start + timeout - time.monotonic())
     except OSError as exc:
         error = str(exc)
     finally:
         if write_fd >= 0:
             os.close(write_fd)
+        for handle in handles:
+            handle.close()
         if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the leader is unreaped: the group id is ours

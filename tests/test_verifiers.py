@@ -27,6 +27,8 @@ import verifiers as V
 DETECTED_MODE = V.sandbox_mode()
 MODES = [DETECTED_MODE] + (["fallback"] if DETECTED_MODE != "fallback" else [])
 NAMESPACE_MODES = [m for m in MODES if m != "fallback"]
+# the attack tests also run with the host's /proc where the private one works (both must hold)
+ATTACK_MODES = MODES + (["namespaces-hostproc"] if DETECTED_MODE == "namespaces" else [])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +72,8 @@ def _pids_with_cmdline(fragment: str) -> list[int]:
 
 
 def _sandbox_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), V._SANDBOX_TMP_PREFIX + "*")))
+    parents = {tempfile.gettempdir(), V._sandbox_parent() or tempfile.gettempdir()}
+    return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
 
 
 @pytest.fixture
@@ -569,7 +572,7 @@ def _persistence_targets() -> list[str]:
     return sorted({os.path.realpath(f) for f in folders if os.path.isdir(f)})
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_persistence_leaves_no_file(mode, clean_sandbox):
     """A program writes a .pth into site-packages, a module next to verifiers.py and files into
     /tmp, /dev/shm, $HOME, the stdlib: nothing it writes outside its own folder may outlive the run."""
@@ -595,7 +598,7 @@ def test_attack_persistence_leaves_no_file(mode, clean_sandbox):
     assert left == [], f"files written by a sandboxed program outlived it: {left}"
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_persistence_stdio_leaves_no_file(mode, clean_sandbox):
     if mode == "fallback":
         pytest.skip("fallback mode cannot stop writes as the trainer's user (documented limit, warned once)")
@@ -617,7 +620,7 @@ def test_attack_persistence_stdio_leaves_no_file(mode, clean_sandbox):
     assert left == [], left
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
     """Neither the program's interpreter nor the harness processes site-packages' .pth files
     (`-S`): a planted .pth can never run inside a sandbox. The program still imports from
@@ -760,14 +763,14 @@ FORGERIES = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 @pytest.mark.parametrize("name", list(FORGERIES))
 def test_attack_forged_verdict_humaneval(mode, name, clean_sandbox):
     verdict = V.code_verdict(FORGERIES[name], ADD, timeout=10.0, mode=mode)
     assert verdict.reward == 0.0, verdict
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_forged_verdict_mbpp(mode, clean_sandbox):
     problem = {"test_list": ["assert add(2, 3) == 5"]}
     for program in FORGERIES.values():
@@ -775,7 +778,7 @@ def test_attack_forged_verdict_mbpp(mode, clean_sandbox):
         assert verdict.reward == 0.0, (program[-60:], verdict)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_forged_verdict_stdio(mode, clean_sandbox):
     """A stdin/stdout program reads its ancestors' memory through /proc/<pid>/mem for the tokens
     and writes them into the status pipe through /proc/<pid>/fd."""
@@ -785,7 +788,7 @@ def test_attack_forged_verdict_stdio(mode, clean_sandbox):
         assert verdict.reward == 0.0, (tail, verdict)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_expected_output_not_in_reach(mode, clean_sandbox):
     """The expected outputs must not be readable by a stdin/stdout program: it scans the memory of
     every process it can see for a 31-digit number (the expected output) and prints it."""
@@ -832,7 +835,7 @@ GLOBAL_REDEFINITION_BODIES = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_redefined_prompt_helpers_humaneval(mode, clean_sandbox):
     for task_id, completion in [*GLOBAL_REDEFINITIONS.items(), *GLOBAL_REDEFINITION_BODIES.items()]:
         problem = _humaneval_problem(task_id.split("-")[0])
@@ -841,7 +844,7 @@ def test_attack_redefined_prompt_helpers_humaneval(mode, clean_sandbox):
         assert V.code_verdict(problem["canonical_solution"], problem, timeout=10.0, mode=mode).reward == 1.0
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ATTACK_MODES)
 def test_attack_redefined_modules(mode, clean_sandbox):
     """Tests call modules (math) and the completion patches or replaces them."""
     mbpp_setup = {"test_list": ["assert math.isclose(area(2), 12.566370614359172)"], "test_setup_code": "import math"}
@@ -864,7 +867,7 @@ def test_attack_redefined_modules(mode, clean_sandbox):
     assert V.code_verdict(honest, mbpp_bare, timeout=10.0, mode=mode).reward == 1.0
 
 
-@pytest.mark.parametrize("mode", NAMESPACE_MODES)
+@pytest.mark.parametrize("mode", [m for m in ATTACK_MODES if m != "fallback"])
 def test_attack_cannot_signal_host_processes(mode, clean_sandbox):
     import subprocess
     import sys
@@ -962,3 +965,23 @@ def test_arith_reward_long_integers():
     assert V.arith_reward(f"\\boxed{{{big}.50}}", big + ".5") == 1.0
     assert V.arith_reward(f"\\boxed{{-{big}}}", big) == 0.0
     assert V.arith_reward("\\boxed{-0.0}", "0") == 1.0
+
+
+@pytest.mark.parametrize("mode", [m for m in ATTACK_MODES if m != "fallback"])
+def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
+    """Sibling samples of the same problem run at the same time: their folders (programs, outputs)
+    must be out of a program's sight, and nothing of the run's secrets exists as a file."""
+    parent = V._sandbox_parent() or tempfile.gettempdir()
+    decoy = os.path.join(parent, f"decoy-{secrets.token_hex(6)}")
+    os.mkdir(decoy)
+    try:
+        program = (
+            "import os\n"
+            f"SEEN = os.path.exists({decoy!r}) or any(os.listdir(os.path.dirname(os.getcwd())) != ['work'] for _ in [0])\n"
+            "SEEN = SEEN or any(n.endswith('.json') for n in os.listdir(os.path.dirname(os.getcwd())))\n"
+            "\ndef add(a, b):\n    return 0 if SEEN else a + b\n"
+        )
+        verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+        assert verdict.status == "passed", verdict
+    finally:
+        os.rmdir(decoy)
