@@ -72,7 +72,7 @@ def _pids_with_cmdline(fragment: str) -> list[int]:
 
 
 def _sandbox_dirs() -> set[str]:
-    parents = {tempfile.gettempdir(), V._sandbox_parent() or tempfile.gettempdir()}
+    parents = {tempfile.gettempdir(), getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()}
     return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
 
 
@@ -971,7 +971,7 @@ def test_arith_reward_long_integers():
 def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
     """Sibling samples of the same problem run at the same time: their folders (programs, outputs)
     must be out of a program's sight, and nothing of the run's secrets exists as a file."""
-    parent = V._sandbox_parent() or tempfile.gettempdir()
+    parent = getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()
     decoy = os.path.join(parent, f"decoy-{secrets.token_hex(6)}")
     os.mkdir(decoy)
     try:
@@ -985,3 +985,31 @@ def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
         assert verdict.status == "passed", verdict
     finally:
         os.rmdir(decoy)
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_judge_is_out_of_reach(mode, clean_sandbox):
+    """From the program, every way into the judge (its parent) fails: /proc/<judge>/fd links and
+    mem, ptrace, pidfd_getfd of the status pipe."""
+    program = (
+        "import ctypes, os\n"
+        "judge = os.getppid()\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "reached = []\n"
+        "for name, attempt in [\n"
+        "    ('readlink', lambda: os.readlink(f'/proc/{judge}/fd/1')),\n"
+        "    ('open fd', lambda: os.open(f'/proc/{judge}/fd/1', os.O_WRONLY)),\n"
+        "    ('mem', lambda: open(f'/proc/{judge}/mem', 'rb').read(1)),\n"
+        "    ('environ', lambda: open(f'/proc/{judge}/environ', 'rb').read(1)),\n"
+        "]:\n"
+        "    try:\n        attempt()\n        reached.append(name)\n    except OSError:\n        pass\n"
+        "if libc.ptrace(16, judge, 0, 0) == 0:\n    reached.append('ptrace')\n"
+        "pidfd = libc.syscall(434, judge, 0)\n"
+        "if pidfd >= 0 and any(libc.syscall(438, pidfd, fd, 0) >= 0 for fd in range(3, 64)):\n"
+        "    reached.append('pidfd_getfd')\n"
+        "os.write(2, repr(reached).encode())\n"
+        "\ndef add(a, b):\n    return 0 if reached else a + b\n"
+    )
+    verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+    assert verdict.status == "passed", verdict
