@@ -29,6 +29,8 @@ import secrets
 import select
 import shutil
 import signal
+import site
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,7 +38,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from fractions import Fraction
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,12 @@ def _num_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+# Folders of third-party packages that sandboxed programs and math workers may import from. They
+# are added to sys.path by those processes themselves: the interpreters run with -S, so no .pth
+# file (which a program might have planted) ever runs in them.
+_SITE_DIRS = [d for d in dict.fromkeys(site.getsitepackages()) if os.path.isdir(d)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,13 +111,21 @@ def extract_code(text: str) -> str:
 _NUMBER_RE = re.compile(r"(?:(?<![\w)\]}])[-\u2212])?(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)")
 
 
-def _to_fraction(number: str) -> Fraction:
-    return Fraction(number.replace(",", "").replace("\u2212", "-"))
+def _canonical_number(number: str) -> str:
+    """The exact value of a matched number as a canonical decimal string (2.50 -> 2.5, 7.0 -> 7,
+    -0 -> 0): compared as text, so a 5000-digit integer needs no int() (which refuses more than
+    4300 digits) and costs linear time."""
+    number = number.replace(",", "").replace("\u2212", "-")
+    negative = number.startswith("-")
+    whole, _, fraction = number.lstrip("-").partition(".")
+    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
+    sign = "-" if negative and (whole != "0" or fraction) else ""
+    return sign + whole + ("." + fraction if fraction else "")
 
 
-def _last_number(text: str) -> Fraction | None:
+def _last_number(text: str) -> str | None:
     numbers = _NUMBER_RE.findall(text)
-    return _to_fraction(numbers[-1]) if numbers else None
+    return _canonical_number(numbers[-1]) if numbers else None
 
 
 def arith_reward(completion: str, answer: str) -> float:
@@ -120,7 +135,7 @@ def arith_reward(completion: str, answer: str) -> float:
     hold exactly one number, e.g. `\\boxed{-42}`, `\\boxed{1{,}234}`, `\\boxed{x = 7}`); otherwise the
     LAST number anywhere in the completion (the small default model rarely writes `\\boxed`). Numbers
     are optionally signed integers or decimals, commas allowed as thousands separators, compared
-    exactly as fractions (2.50 == 2.5, 7 == 7.0). Thousands of calls per second; 0.0 for an empty or
+    exactly, of any length (2.50 == 2.5, 7 == 7.0). Thousands of calls per second; 0.0 for an empty or
     None completion or an answer without a number. Never raises."""
     try:
         if not isinstance(completion, str) or not completion:
@@ -134,7 +149,7 @@ def arith_reward(completion: str, answer: str) -> float:
             numbers = _NUMBER_RE.findall(boxed)
             if len(numbers) != 1:
                 return 0.0
-            pred = _to_fraction(numbers[0])
+            pred = _canonical_number(numbers[0])
         else:
             pred = _last_number(completion)
         return 1.0 if pred is not None and pred == gold else 0.0
@@ -156,13 +171,6 @@ _MAX_ANSWER_CHARS = 1000  # longer boxed predictions score 0.0 without parsing
 # an exponent literal of 7+ digits, a factorial of a 6+ digit number. math-verify's timeouts and
 # the outer timeout would also stop them, but only after seconds and a worker restart.
 _EXPLOSIVE_RE = re.compile(r"\^\s*\{?\s*\(?\s*\d+\s*\)?\s*\}?\s*\^\s*\{?\s*\(?\s*\d|\^\s*\{?\s*\d{7}|\d{6}\s*!")
-_MATH_WORKER_BOOT = (
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_verifiers_math_worker', sys.argv[1])\n"
-    "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
-    "spec.loader.exec_module(module)\n"
-    "module._math_worker_main()\n"
-)
 
 
 def _gold_latex(answer: str) -> str:
@@ -172,6 +180,12 @@ def _gold_latex(answer: str) -> str:
     if any(marker in answer for marker in ("\\boxed", "$", "\\(", "\\[")):
         return answer
     return "\\boxed{" + answer + "}"
+
+
+# The math worker's code, held in memory: a worker runs it with `python -I -S -c` and never reads
+# this file from disk (which a sandboxed program could have rewritten where writes are not stopped).
+_MATH_WORKER_SRC = r'''
+import json, logging, os, sys
 
 
 def _math_verify_pair(gold_latex: str, pred_latex: str) -> bool:
@@ -224,6 +238,23 @@ def _math_worker_main() -> None:
         except BaseException:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
             ok = False
         replies.write(f"{request_id} {int(ok)}\n".encode())
+'''
+exec(_MATH_WORKER_SRC, globals())  # the same functions, also callable in this process
+_MATH_WORKER_BOOT = (
+    "import json, sys\nconfig = json.loads(sys.argv[1])\nsys.path.extend(config.pop('site'))\n"
+    "globals().update(config)\n" + _MATH_WORKER_SRC + "\n_math_worker_main()\n"
+)
+
+
+def _math_worker_config() -> str:
+    return json.dumps(
+        {
+            "site": _SITE_DIRS,
+            "_MATH_PARSE_ALARM_S": _MATH_PARSE_ALARM_S,
+            "_MATH_VERIFY_ALARM_S": _MATH_VERIFY_ALARM_S,
+            "_MATH_WORKER_MEMORY": _MATH_WORKER_MEMORY,
+        }
+    )
 
 
 class _MathWorker:
@@ -234,7 +265,7 @@ class _MathWorker:
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _MATH_WORKER_BOOT, os.path.abspath(__file__)],
+            [sys.executable, "-I", "-S", "-c", _MATH_WORKER_BOOT, _math_worker_config()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -252,8 +283,10 @@ class _MathWorker:
         poller.register(stdout_fd, select.POLLIN)
         while b"\n" not in self.pending:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not poller.poll(remaining * 1000):
+            if remaining <= 0:
                 raise TimeoutError("math worker timed out")
+            if not poller.poll(min(remaining, 60.0) * 1000):  # poll() refuses huge timeouts
+                continue
             chunk = os.read(stdout_fd, 4096)
             if not chunk:
                 raise EOFError("math worker exited")
@@ -349,7 +382,12 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
     tower, 7-digit exponent, 6-digit factorial) scores 0.0 at once; everything else runs in a worker
     process with math-verify's alarms (1 s per parse, 2 s per verify) and a hard `timeout` after
     which the worker is killed and replaced. At most one worker per core is busy at a time (other
-    callers wait); `timeout` counts from the request. Safe from any thread or process; never raises."""
+    callers wait); `timeout` counts from the call, the wait for a free worker included (a worker's
+    first start, importing math-verify, is not counted). Safe from any thread or process; never
+    raises, except ValueError for a `timeout` that is not a positive number (inf is allowed)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"math_reward: timeout must be a positive number of seconds, got {timeout!r}")
+    deadline = time.monotonic() + timeout  # infinite for timeout=inf
     worker = None
     try:
         if not isinstance(completion, str) or answer is None:
@@ -363,11 +401,17 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
         gold = _gold_latex(answer)
         if gold != answer.strip() and _squash(content) == _squash(answer):
             return 1.0  # the prediction is written exactly as the (bare) gold
-        with _math_slots:
+        slots = _math_slots
+        if not slots.acquire(timeout=min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)):
+            log.warning("math_reward: no free math worker within %.1f s, scored 0.0", timeout)
+            return 0.0
+        try:
             worker = _borrow_math_worker()
-            ok = worker.ask(gold, "\\boxed{" + content + "}", timeout)
+            ok = worker.ask(gold, "\\boxed{" + content + "}", max(deadline - time.monotonic(), 1e-3))
             _return_math_worker(worker)
             worker = None
+        finally:
+            slots.release()
         return 1.0 if ok else 0.0
     except TimeoutError:
         log.info("math_reward timed out after %.1f s, scored 0.0; worker replaced", timeout)
@@ -401,138 +445,407 @@ def math_rewards_batch(
 # ---------------------------------------------------------------------------------------------
 
 CODE_TIMEOUT_S = 10.0
+MAX_CODE_TIMEOUT_S = 24 * 3600.0  # a longer (or non-finite) timeout is a ValueError
 SANDBOX_MEMORY_BYTES = 1 << 30  # RLIMIT_AS of every sandboxed process
 SANDBOX_OUTPUT_BYTES = 1 << 20  # RLIMIT_FSIZE: caps stdout/stderr files and any file written
 SANDBOX_OPEN_FILES = 256
+SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may return to the judge
 _SANDBOX_TMP_PREFIX = "verifiers-sbx-"
 _SANDBOX_MARKER = "VERIFIERS_SANDBOX_RUN"  # environment variable tagging every sandboxed process
 _UNSHARE_FLAGS = {
     # user (root mapped to the caller), network, PID and mount namespaces with a private /proc
     "namespaces": ["-rnpm", "--fork", "--kill-child", "--mount-proc"],
-    # the same without the mount namespace, where mounting /proc is refused (some containers)
-    "namespaces-hostproc": ["-rnp", "--fork", "--kill-child"],
+    # the same with the host's /proc, where mounting /proc is refused (some containers)
+    "namespaces-hostproc": ["-rnpm", "--fork", "--kill-child"],
 }
+FALLBACK_LIMITS = (
+    "code sandbox: FALLBACK mode (no namespaces: unshare is missing or refused, or VERIFIERS_SANDBOX=fallback). "
+    "A sandboxed program runs as the trainer's user without capabilities and can: write (and so plant code in) "
+    "every file that user can write, including site-packages and the standard library, which can forge the "
+    "verdicts of later runs; kill or stop the trainer and other processes of that user; reach services on "
+    "loopback and the network; see every host process. Use it only with trusted completions."
+)
 
-# Runs inside the sandbox as `python -I harness.py`: trusted code, the only ancestor of the model's
-# code. It sets the limits before anything else runs, reports "started" and, only after the last
-# test passed, "passed" through a pipe whose tokens the parent drew at random.
+# Runs inside the sandbox as `python -I -S -c _HARNESS_SRC <folder> <status fd> <job fd> <secret fd>`:
+# trusted code, the judge.
+# It reports "started" and, only after the last test passed, "passed" through a pipe whose tokens the
+# parent drew at random; the program runs in a separate runner process that cannot reach either.
 _HARNESS_SRC = r'''
-import builtins, json, os, resource, subprocess, sys, time, traceback
+import builtins, json, os, sys
+
+# Trusted code, run as `python -I -S -c` (no site processing, no script directory on sys.path)
+# by the trainer, inside the namespaces where available. This process is the JUDGE: it holds
+# the tokens and the tests and never runs the program. The program runs in a RUNNER: a child
+# forked before the judge reads its secrets (HumanEval, MBPP) or a fresh interpreter per case
+# (stdin/stdout), with another identity (a nested user namespace, uid 65534, no capabilities,
+# no_new_privs), its own resource limits and, where namespaces work, a read-only file system
+# except its own folder. The judge sees only plain data from the runner.
+
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP = 4, 38, 28, 24
+CLONE_NEWUSER, MS_NOSUID, MS_NODEV, MS_BIND, AT_RECURSIVE = 0x10000000, 2, 4, 4096, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, SYS_MOUNT_SETATTR, SYS_CAPSET = 1, 2, 442, 126
+RUNNER_IN, RUNNER_OUT, MAX_DEPTH = 100, 101, 64
+_libc = None
 
 
-def main():
-    with open("payload.json", "rb") as f:
-        job = json.loads(f.read())
-    os.unlink("payload.json")
+def libc():
+    global _libc
+    if _libc is None:
+        import ctypes
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    return _libc
+
+
+def ok(result, what):
+    if result < 0:
+        import ctypes
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount_setattr(path, attr_set, attr_clr, flags):
+    import ctypes, struct
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", attr_set, attr_clr, 0, 0), 32)
+    ok(libc().syscall(SYS_MOUNT_SETATTR, -100, path.encode(), flags, attr, 32), "mount_setattr " + path)
+
+
+def read_only_except(work, hide):
+    """Every mount of this (private) mount namespace read-only and nosuid, except the runner's
+    folder (a bind mount of itself) and /proc (the runner writes its own uid_map). `hide`, the
+    folder that holds every sandbox's folder, is covered by an empty tmpfs first (the other runs'
+    programs and files are out of sight), with only this run's folder bound back into it."""
+    if hide:
+        keep = os.open(work, os.O_PATH)
+        ok(libc().mount(b"tmpfs", hide.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=700,size=64k"), "tmpfs")
+        os.makedirs(work, mode=0o700)
+        ok(libc().mount(f"/proc/self/fd/{keep}".encode(), work.encode(), None, MS_BIND, None), "bind " + work)
+        os.close(keep)
+    else:
+        ok(libc().mount(work.encode(), work.encode(), None, MS_BIND, None), "bind " + work)
+    mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, AT_RECURSIVE)
+    mount_setattr(work, 0, MOUNT_ATTR_RDONLY, 0)
+    mount_setattr("/proc", 0, MOUNT_ATTR_RDONLY, 0)
+
+
+def drop_identity(mode):
+    """Called in the runner before any program code: in the namespace modes a nested user
+    namespace where it is uid/gid 65534 (the judge's own uid outside), which gives it no
+    capability over anything outside that namespace (not over the judge, not over the mounts);
+    in every mode: no capabilities, an empty bounding set, no_new_privs."""
+    import ctypes, struct
+    c = libc()
+    if mode != "fallback":
+        ok(c.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+        for name, text in (("uid_map", "65534 0 1"), ("setgroups", "deny"), ("gid_map", "65534 0 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    elif os.geteuid() == 0:
+        # root keeps uid 0 (the interpreter may live in 0700 folders): never regain capabilities
+        # through execve or setuid (SECBIT_NOROOT, NO_SETUID_FIXUP, KEEP_CAPS off, all locked)
+        ok(c.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0), "securebits")
+    for cap in range(64):
+        if c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            break
+    header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)
+    data = ctypes.create_string_buffer(bytes(24), 24)
+    ok(c.syscall(SYS_CAPSET, header, data), "capset")
+    ok(c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    with open("/proc/self/status") as f:
+        caps = [line.split()[1] for line in f if line.startswith(("CapEff", "CapPrm", "CapAmb"))]
+    if any(int(value, 16) for value in caps):
+        raise OSError("capabilities remain after dropping them")
+
+
+def set_limits(job):
+    import resource
     for name, value in (("RLIMIT_AS", job["memory"]), ("RLIMIT_FSIZE", job["fsize"]),
                         ("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0)):
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu"], job["cpu"] + 1))
-    status_fd = job.pop("status_fd")
-    start_token, pass_token = job.pop("start_token").encode(), job.pop("pass_token").encode()
-    write, exit_now = os.write, os._exit
-    write(status_fd, start_token + b"\n")
-    passed = (run_stdio if job["mode"] == "stdio" else run_calls)(job)
-    if passed is True:
-        write(status_fd, pass_token + b"\n")
-    exit_now(0)
 
 
-def make_guard():
-    """Wraps a function so that it may only return plain literals of exact builtin types: an object
-    whose __eq__ always returns True (or a subclass of int/str/list...) fails the test."""
-    type_of, items = type, dict.items
-    scalars = (int, float, complex, str, bytes, bool, type(None))
-    containers = (list, tuple, set, frozenset)
+# ---- plain data between runner and judge: exact builtin types only, tagged JSON ----
 
-    def plain(value, depth):
-        kind = type_of(value)
-        for scalar in scalars:
-            if kind is scalar:
-                return True
-        if depth > 64:
-            return False
-        for container in containers:
-            if kind is container:
-                for item in value:
-                    if not plain(item, depth + 1):
-                        return False
-                return True
+def encode(value, depth=0):
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        return {"i": format(value, "x")}
+    if kind is float:
+        return {"f": value.hex()}
+    if kind is complex:
+        return {"c": [value.real.hex(), value.imag.hex()]}
+    if kind is bytes:
+        return {"b": value.hex()}
+    if depth < MAX_DEPTH:
+        if kind is list or kind is tuple or kind is set or kind is frozenset:
+            tag = {list: "l", tuple: "t", set: "s", frozenset: "z"}[kind]
+            return {tag: [encode(item, depth + 1) for item in value]}
         if kind is dict:
-            for key, item in items(value):
-                if not (plain(key, depth + 1) and plain(item, depth + 1)):
-                    return False
-            return True
-        return False
-
-    def guard(function):
-        def guarded(*args, **kwargs):
-            result = function(*args, **kwargs)
-            if not plain(result, 0):
-                raise TypeError("return value is not a plain literal")
-            return result
-        return guarded
-
-    return guard
+            return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    raise TypeError(f"not a plain literal: {kind.__name__}")
 
 
-def run_calls(job):
-    """HumanEval (check(candidate)) and MBPP (assert lines): program and tests in this process,
-    the tests in a fresh namespace with the original builtins and guarded functions."""
-    run, build, is_callable, untrace = exec, compile, callable, (sys.settrace, sys.setprofile)
-    guard = make_guard()
-    clean_builtins = dict(builtins.__dict__)
-    program_ns = {"__name__": "solution", "__builtins__": builtins}
+def decode(obj, depth=0):
+    kind = type(obj)
+    if obj is None or kind is bool or kind is str:
+        return obj
+    if kind is not dict or len(obj) != 1 or depth >= MAX_DEPTH:
+        raise ValueError("malformed value")
+    (tag, v), = obj.items()
+    if tag == "i" and type(v) is str:
+        return int(v, 16)
+    if tag == "f" and type(v) is str:
+        return float.fromhex(v)
+    if tag == "c" and type(v) is list and len(v) == 2 and all(type(x) is str for x in v):
+        return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+    if tag == "b" and type(v) is str:
+        return bytes.fromhex(v)
+    if type(v) is list:
+        if tag in ("l", "t", "s", "z"):
+            items = [decode(item, depth + 1) for item in v]
+            return {"l": list, "t": tuple, "s": set, "z": frozenset}[tag](items)
+        if tag == "d" and all(type(p) is list and len(p) == 2 for p in v):
+            return {decode(p[0], depth + 1): decode(p[1], depth + 1) for p in v}
+    raise ValueError("malformed value")
+
+
+def send(fd, message):
+    data = json.dumps(message).encode()
+    data = len(data).to_bytes(8, "big") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def receive(fd, limit):
+    def exactly(n):
+        chunks, left = [], n
+        while left:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError("the other side closed the channel")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    size = int.from_bytes(exactly(8), "big")
+    if size > limit:
+        raise ValueError("message too large")
+    return json.loads(exactly(size))
+
+
+# ---- the runner (HumanEval, MBPP): the program, its functions served to the judge ----
+
+def runner(job, channel_in, channel_out):
+    os.dup2(channel_in, RUNNER_IN)
+    os.dup2(channel_out, RUNNER_OUT)
+    os.closerange(3, RUNNER_IN)
+    os.closerange(RUNNER_OUT + 1, 1 << 16)
     try:
-        run(build(job["program"], "solution.py", "exec"), program_ns)
-        for hook in untrace:
-            hook(None)
-        test_ns = {k: v for k, v in program_ns.items() if k not in clean_builtins and k != "__builtins__"}
-        test_ns["__builtins__"], test_ns["__name__"] = dict(clean_builtins), "__test__"
-        if job["mode"] == "humaneval":
-            entry = test_ns.get(job["entry_point"])
-            if not is_callable(entry):
-                return False
-            test_ns[job["entry_point"]] = candidate = guard(entry)
-            run(build(job["test"], "test.py", "exec"), test_ns)
-            test_ns["check"](candidate)
-        else:
-            for name in job["call_names"]:
-                if name in test_ns and is_callable(test_ns[name]):
-                    test_ns[name] = guard(test_ns[name])
-            for source in [job["setup"], *job["tests"]]:
-                run(build(source, "test.py", "exec"), test_ns)
-        return True
+        drop_identity(job["sandbox"])
+        libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # nothing secret here; the trainer may scan it
+        os.chdir(job["work"])
+        set_limits(job)
+    except BaseException as exc:
+        os.write(2, f"sandbox runner setup failed: {exc!r}\n".encode())
+        os._exit(3)
+    send(RUNNER_OUT, {"ready": True})
+    namespace = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        exec(compile(job["program"], "solution.py", "exec"), namespace)
+        functions = {n: namespace[n] for n in job["names"] if n in namespace and callable(namespace[n])}
     except BaseException:
+        import traceback
+        traceback.print_exc()
+        send(RUNNER_OUT, {"loaded": False})
+        os._exit(0)
+    send(RUNNER_OUT, {"loaded": True, "functions": sorted(functions)})
+    while True:
+        name, args, kwargs = receive(RUNNER_IN, 1 << 30)
         try:
-            traceback.print_exc()
-        except BaseException:
+            result = functions[name](*map(decode, args), **{k: decode(v) for k, v in kwargs.items()})
+            reply = {"value": encode(result)}
+        except BaseException as exc:  # SystemExit too: the call failed
+            kind = type(exc)
+            reply = {"raise": kind.__name__ if getattr(builtins, kind.__name__, None) is kind else "Exception"}
+        send(RUNNER_OUT, reply)
+
+
+# ---- the judge ----
+
+def proxy(name, channel_out, channel_in, limit):
+    """The program's function as the tests see it: arguments and result cross the process
+    boundary as plain data, so whatever the program does, the judge sees only values."""
+    def call(*args, **kwargs):
+        send(channel_out, [name, [encode(a) for a in args], {str(k): encode(v) for k, v in kwargs.items()}])
+        reply = receive(channel_in, limit)
+        if type(reply) is dict and set(reply) == {"value"}:
+            return decode(reply["value"])
+        kind = getattr(builtins, str(reply.get("raise")) if type(reply) is dict else "", None)
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            raise kind(f"raised by {name}")
+        raise RuntimeError(f"{name} failed")
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def free_names(sources):
+    """Names the test code loads without defining them, and those used as `name.attribute`."""
+    import ast
+    loaded, stored, bases = set(), set(), set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name):
+                (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stored.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                stored.update((a.asname or a.name).split(".")[0] for a in node.names)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                bases.add(node.value.id)
+    return loaded - stored, bases
+
+
+def real_modules(names, bases, namespace):
+    """Real modules for the names the tests use as modules (`math.isclose`) and do not define."""
+    import importlib, importlib.util
+    for name in sorted(names & bases):
+        if name in namespace or hasattr(builtins, name):
+            continue
+        try:
+            if importlib.util.find_spec(name) is not None:
+                namespace[name] = importlib.import_module(name)
+        except (ImportError, ValueError):
             pass
-        return False
 
 
-def run_stdio(job):
-    """stdin/stdout problems: the program runs as its own process per case (so it never shares
-    this process); outputs are compared token by token (whitespace-insensitive)."""
-    with open("solution.py", "w", encoding="utf-8") as f:
+def judge_calls(job, secret_fd, status_fd):
+    to_runner_r, to_runner_w = os.pipe()
+    from_runner_r, from_runner_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the runner: forked before the secrets are read
+        try:
+            runner(job, to_runner_r, from_runner_w)
+        finally:
+            os._exit(0)
+    os.close(to_runner_r)
+    os.close(from_runner_w)
+    with os.fdopen(secret_fd, "rb") as f:
+        secret = json.loads(f.read())
+    limit = job["message"]
+    if receive(from_runner_r, limit) != {"ready": True}:
+        return None
+    os.write(status_fd, secret["start_token"].encode() + b"\n")
+    loaded = receive(from_runner_r, limit)
+    if type(loaded) is not dict or loaded.get("loaded") is not True:
+        return None
+    functions = set(loaded["functions"])
+    namespace = {"__name__": "__test__", "__builtins__": builtins}
+    if job["mode"] == "humaneval":
+        entry = job["entry_point"]
+        if entry not in functions:
+            return None
+        prompt = secret["prompt"]
+        for source in (prompt, secret["prompt_helpers"]):  # the prompt's helpers, never the program's
+            try:
+                exec(compile(source, "prompt.py", "exec"), namespace)
+                break
+            except Exception:
+                namespace = {"__name__": "__test__", "__builtins__": builtins}
+        names, bases = free_names([secret["test"]])
+        real_modules(names, bases, namespace)
+        candidate = namespace[entry] = proxy(entry, to_runner_w, from_runner_r, limit)
+        exec(compile(secret["test"], "test.py", "exec"), namespace)
+        namespace["check"](candidate)
+    else:
+        exec(compile(secret["setup"], "setup.py", "exec"), namespace)
+        names, bases = free_names(secret["tests"])
+        real_modules(names, bases, namespace)
+        for name in sorted(names & functions):
+            if name not in namespace and not hasattr(builtins, name):
+                namespace[name] = proxy(name, to_runner_w, from_runner_r, limit)
+        for source in secret["tests"]:
+            exec(compile(source, "test.py", "exec"), namespace)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return secret["pass_token"]
+
+
+STDIO_BOOT = (
+    "import sys\n"
+    "sys.path.extend(sys.argv[1:]); sys.argv[:] = ['solution.py']\n"
+    "import __main__\n"
+    "__main__.__file__ = 'solution.py'\n"
+    "exec(compile(open('solution.py', encoding='utf-8').read(), 'solution.py', 'exec'), __main__.__dict__)\n"
+)
+
+
+def judge_stdio(job, secret_fd, status_fd):
+    """Each case runs the program as a fresh interpreter (nothing of the judge in its memory)."""
+    import subprocess, time
+    with os.fdopen(secret_fd, "rb") as f:
+        secret = json.loads(f.read())
+    with open(os.path.join(job["work"], "solution.py"), "w", encoding="utf-8") as f:
         f.write(job["program"])
+
+    def prepare():
+        drop_identity(job["sandbox"])
+        set_limits(job)
+
     deadline = time.monotonic() + job["timeout"]
-    for stdin_text, expected in zip(job["inputs"], job["outputs"]):
-        with open("case.out", "w+b") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "solution.py"], stdin=subprocess.PIPE,
-                                    stdout=out, stderr=subprocess.DEVNULL)
+    started = False
+    for stdin_text, expected in zip(secret["inputs"], secret["outputs"]):
+        out = os.memfd_create("case-output") if hasattr(os, "memfd_create") else None
+        out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
+        with out:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
+                                    cwd=job["work"], stdin=subprocess.PIPE, stdout=out,
+                                    stderr=subprocess.DEVNULL, preexec_fn=prepare)
+            if not started:
+                os.write(status_fd, secret["start_token"].encode() + b"\n")
+                started = True
             try:
                 proc.communicate(stdin_text.encode(), timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-                return False
+                return None
             if proc.returncode != 0:
-                return False
+                return None
             out.seek(0)
-            if out.read().split() != expected.encode().split():
-                return False
-    return True
+            if out.read(job["fsize"] + 1).split() != expected.encode().split():
+                return None
+    if not started:
+        os.write(status_fd, secret["start_token"].encode() + b"\n")
+    return secret["pass_token"]
+
+
+def main():
+    import resource
+    tmp, status_fd, job_fd, secret_fd = sys.argv[1], *map(int, sys.argv[2:5])
+    libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
+    os.chdir(tmp)
+    with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
+        job = json.loads(f.read())
+    for name, value in (("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0), ("RLIMIT_AS", job["memory"])):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    if job["sandbox"] != "fallback":
+        read_only_except(job["work"], job["hide"])
+    sys.path.extend(job["site"])
+    os.chdir("/")
+    try:  # the pass token, returned by the judge only after the last test passed
+        passed = (judge_stdio if job["mode"] == "stdio" else judge_calls)(job, secret_fd, status_fd)
+    except BaseException:
+        import traceback
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass
+        passed = None
+    if passed:
+        os.write(status_fd, passed.encode() + b"\n")
+    os._exit(0)
 
 
 main()
@@ -562,37 +875,48 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def sandbox_mode() -> str:
     """How code is isolated on this machine, detected once: "namespaces" (unshare: user, network,
-    PID and mount namespaces, private /proc), "namespaces-hostproc" (the same without the mount
-    namespace) or "fallback" (limits, own session, process-group and marker cleanup only).
-    The environment variable VERIFIERS_SANDBOX=fallback forces the fallback."""
+    PID and mount namespaces, private /proc, read-only file system but the program's folder, the
+    program in a nested user namespace), "namespaces-hostproc" (the same with the host's /proc) or
+    "fallback" (limits, no capabilities, own session, process-group and marker cleanup only; its
+    limits are logged once, as a warning, when it is chosen). A mode is chosen only if a probe run
+    through the whole sandbox passes in it. VERIFIERS_SANDBOX=fallback forces the fallback."""
     global _sandbox_mode
     with _sandbox_mode_lock:
         if _sandbox_mode is None:
             _sandbox_mode = _detect_sandbox_mode()
-            log.info("code sandbox mode: %s", _sandbox_mode)
+            if _sandbox_mode == "fallback":
+                log.warning(FALLBACK_LIMITS)
+            else:
+                log.info("code sandbox mode: %s", _sandbox_mode)
         return _sandbox_mode
+
+
+# The probe: the program must run, and must not be able to write next to its own folder.
+_PROBE_PROBLEM = {
+    "prompt": "def add(a, b):\n",
+    "entry_point": "add",
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+}
+_PROBE_PROGRAM = (
+    "import os\ntry:\n    open(os.path.join('..', 'probe'), 'w').close()\n    WRITABLE = True\n"
+    "except OSError:\n    WRITABLE = False\n\ndef add(a, b):\n    return 0 if WRITABLE else a + b\n"
+)
 
 
 def _detect_sandbox_mode() -> str:
     if os.environ.get("VERIFIERS_SANDBOX", "").lower() in ("fallback", "0", "off", "none"):
         return "fallback"
-    unshare = shutil.which("unshare")
-    if unshare is None or not sys.platform.startswith("linux"):
+    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
         return "fallback"
-    probe = [sys.executable, "-I", "-c", "import os, sys; sys.exit(os.getpid() != 1)"]
-    for mode, flags in _UNSHARE_FLAGS.items():
+    for mode in _UNSHARE_FLAGS:
         try:
-            done = subprocess.run(
-                [unshare, *flags, *probe],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=30,
-            )
-            if done.returncode == 0:
-                return mode
-        except (OSError, subprocess.SubprocessError):
-            pass
+            verdict = _run_sandbox_now(_code_job(_PROBE_PROGRAM, _PROBE_PROBLEM), 30.0, mode)
+        except Exception:  # noqa: BLE001 - a mode that cannot run is not chosen
+            log.debug("sandbox probe failed in mode %s", mode, exc_info=True)
+            continue
+        if verdict.status == "passed":
+            return mode
+        log.info("code sandbox mode %s unavailable: %s", mode, verdict.stderr_tail[-300:])
     return "fallback"
 
 
@@ -694,36 +1018,67 @@ def _run_sandbox(job: dict, timeout: float, mode: str | None = None) -> SandboxR
         return _run_sandbox_now(job, timeout, mode)
 
 
+_sandbox_parent_path: str | None = None
+
+
+def _sandbox_parent() -> str | None:
+    """The folder that holds every sandbox folder of this user (so that the namespace modes can
+    hide it): `<tmp>/verifiers-sandboxes-<uid>`, 0700, ours. None (folders directly in the
+    temporary folder, nothing hidden) if it cannot be made safely."""
+    global _sandbox_parent_path
+    path = os.path.join(tempfile.gettempdir(), f"verifiers-sandboxes-{os.geteuid()}")
+    if _sandbox_parent_path != path:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            info = os.lstat(path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                raise OSError(f"{path} is not a private folder of this user")
+        except OSError as exc:
+            log.warning("code sandbox: %s; sandbox folders go directly into the temporary folder", exc)
+            return None
+        _sandbox_parent_path = path
+    return path
+
+
 def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
     start = time.monotonic()
     run_id, start_token, pass_token = (secrets.token_hex(16) for _ in range(3))
     try:
-        tmp = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX)
+        parent = _sandbox_parent()
+        tmp = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=parent)
+        work = os.path.join(tmp, "work")  # the only folder the program can write in the namespace modes
+        os.mkdir(work, 0o700)
     except OSError as exc:
         log.warning("code sandbox could not start: %s", exc)
         return SandboxResult("error", mode, time.monotonic() - start, str(exc))
     read_fd, write_fd = os.pipe()
-    proc, finished, error = None, False, ""
+    proc, finished, error, handles = None, False, "", []
     try:
-        payload = dict(
-            job,
-            status_fd=write_fd,
-            start_token=start_token,
-            pass_token=pass_token,
+        # what the runner (the program's process) may know; the rest is read by the judge only
+        # after the runner has been forked (the runner closes that file first)
+        public = {key: value for key, value in job.items() if key != "secret"}
+        public.update(
+            sandbox=mode,
+            work=work,
+            hide=parent,
+            site=_SITE_DIRS,
             timeout=timeout,
             cpu=int(math.ceil(timeout)) + 1,
             memory=SANDBOX_MEMORY_BYTES,
             fsize=SANDBOX_OUTPUT_BYTES,
             nofile=SANDBOX_OPEN_FILES,
+            message=SANDBOX_MESSAGE_BYTES,
         )
-        with open(os.path.join(tmp, "payload.json"), "w", encoding="utf-8") as f:
-            json.dump(payload, f)
-        with open(os.path.join(tmp, "harness.py"), "w", encoding="utf-8") as f:
-            f.write(_HARNESS_SRC)
+        secret = dict(job["secret"], start_token=start_token, pass_token=pass_token)
+        for content in (public, secret):  # nameless files (O_TMPFILE): nothing to find on disk
+            handle = tempfile.TemporaryFile(dir=tmp)
+            handles.append(handle)
+            handle.write(json.dumps(content).encode())
+            handle.seek(0)
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": tmp,
-            "TMPDIR": tmp,
+            "HOME": work,
+            "TMPDIR": work,
             "LANG": "C.UTF-8",
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
@@ -731,25 +1086,30 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
             _SANDBOX_MARKER: run_id,
         }
         prefix = [] if mode == "fallback" else [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS[mode]]
+        fds = (write_fd, *(handle.fileno() for handle in handles))
         with open(os.path.join(tmp, "stdout"), "wb") as out, open(os.path.join(tmp, "stderr"), "wb") as err:
             proc = subprocess.Popen(
-                [*prefix, sys.executable, "-I", "harness.py"],
+                [*prefix, sys.executable, "-I", "-S", "-c", _HARNESS_SRC, tmp, *map(str, fds)],
                 cwd=tmp,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                pass_fds=(write_fd,),
+                pass_fds=fds,
             )
         os.close(write_fd)
         write_fd = -1
+        for handle in handles:
+            handle.close()
         finished = _wait_exit(proc, start + timeout - time.monotonic())
     except OSError as exc:
         error = str(exc)
     finally:
         if write_fd >= 0:
             os.close(write_fd)
+        for handle in handles:
+            handle.close()
         if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the leader is unreaped: the group id is ours
@@ -775,37 +1135,76 @@ def _defines(code: str, name: str) -> re.Match | None:
     return re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(", code, re.MULTILINE)
 
 
+def _strings(value, what: str) -> list[str]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"code problem: {what} must be a list, got {type(value).__name__}")
+    return [str(item) for item in value]
+
+
+def _string(value, what: str, default: str | None = None) -> str:
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str):
+        raise ValueError(f"code problem: {what} must be a string, got {type(value).__name__}")
+    return value
+
+
 def _code_job(completion: str, problem: dict) -> dict | None:
-    """The sandbox job for a completion and a problem; None if there is no code at all."""
-    code = extract_code(completion)
-    if not code.strip():
-        return None
+    """The sandbox job for a completion and a problem; None if there is no code at all. ValueError
+    for a malformed problem (checked before the completion is looked at). `secret` holds what the
+    judge needs and the program must never see: the tests, the expected outputs, the prompt."""
+    if not isinstance(problem, dict):
+        raise ValueError(f"code problem must be a dict, got {type(problem).__name__}")
     if "entry_point" in problem and "test" in problem:
-        entry_point, prompt = problem["entry_point"], problem.get("prompt", "")
+        entry_point, test = _string(problem["entry_point"], "entry_point"), _string(problem["test"], "test")
+        prompt = _string(problem.get("prompt", ""), "prompt")
+        if not entry_point.isidentifier():
+            raise ValueError(f"code problem: entry_point {entry_point!r} is not a Python name")
+        code = extract_code(completion)
+        if not code.strip():
+            return None
+        header = _defines(prompt, entry_point)
+        helpers = prompt[: header.start()] if header else ""
         if _defines(code, entry_point):  # a full function: keep the prompt's imports and helpers
-            header = _defines(prompt, entry_point)
-            program = (prompt[: header.start()] if header else "") + code
+            program = helpers + code
         else:  # HumanEval's own format: the completion continues the prompt (a function body)
             program = prompt + code
-        return {"mode": "humaneval", "program": program, "test": problem["test"], "entry_point": entry_point}
+        secret = {"test": test, "prompt": prompt, "prompt_helpers": helpers}
+        return {"mode": "humaneval", "program": program, "entry_point": entry_point, "names": [entry_point],
+                "secret": secret}
     if "test_list" in problem:
-        tests = [str(t) for t in problem["test_list"]]
-        call_names = sorted(set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", "\n".join(tests))))
-        setup = problem.get("test_setup_code") or ""
-        return {"mode": "mbpp", "program": code, "tests": tests, "setup": setup, "call_names": call_names}
+        tests = _strings(problem["test_list"], "test_list")
+        setup = _string(problem.get("test_setup_code"), "test_setup_code", default="")
+        code = extract_code(completion)
+        if not code.strip():
+            return None
+        names = sorted(set(re.findall(r"[A-Za-z_]\w*", "\n".join(tests))))
+        return {"mode": "mbpp", "program": code, "names": names, "secret": {"tests": tests, "setup": setup}}
     if "inputs" in problem and "outputs" in problem:
-        inputs, outputs = [str(x) for x in problem["inputs"]], [str(x) for x in problem["outputs"]]
+        inputs, outputs = _strings(problem["inputs"], "inputs"), _strings(problem["outputs"], "outputs")
         if len(inputs) != len(outputs):
             raise ValueError(f"code problem has {len(inputs)} inputs but {len(outputs)} outputs")
-        return {"mode": "stdio", "program": code, "inputs": inputs, "outputs": outputs}
+        code = extract_code(completion)
+        if not code.strip():
+            return None
+        return {"mode": "stdio", "program": code, "names": [], "secret": {"inputs": inputs, "outputs": outputs}}
     raise ValueError("code problem needs 'entry_point'+'test' (HumanEval), 'test_list' (MBPP) or 'inputs'+'outputs'")
+
+
+def _check_timeout(timeout) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"code timeout must be a number of seconds, got {timeout!r}")
+    if not 0 < timeout <= MAX_CODE_TIMEOUT_S:  # also rejects NaN and infinity
+        raise ValueError(f"code timeout must be in (0, {MAX_CODE_TIMEOUT_S:.0f}] seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def code_verdict(
     completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S, mode: str | None = None
 ) -> SandboxResult:
     """`code_reward` with the details: status, sandbox mode, elapsed time, stderr tail."""
-    job = _code_job(completion, problem) if isinstance(completion, str) else None
+    timeout = _check_timeout(timeout)
+    job = _code_job(completion if isinstance(completion, str) else "", problem)
     if job is None:
         return SandboxResult("failed", mode or "none", 0.0, "no code")
     return _run_sandbox(job, timeout, mode)
@@ -819,9 +1218,11 @@ def code_reward(completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S)
     MBPP-style (`test_list` of assert lines, optional `test_setup_code`) or stdin/stdout (`inputs`,
     `outputs`: the program runs once per case, its output must match token by token). The program is
     `extract_code(completion)`; for HumanEval one that does not define `entry_point` continues the
-    prompt, one that does is preceded by the prompt's imports and helpers. Raises ValueError only for
-    a malformed `problem`. Runs in the sandbox (see the module's README section): `python -I` in a
-    fresh temporary folder, rlimits, own session, namespaces where available, `timeout` seconds."""
+    prompt, one that does is preceded by the prompt's imports and helpers. The tests run in a judge
+    process against the prompt's own helpers and the real modules; the program's functions are
+    called across a process boundary and only plain values come back. Raises ValueError only for a
+    malformed `problem` or a `timeout` outside (0, 86400] s. Runs in the sandbox (see
+    `sandbox_mode` and docs/verifiers.md)."""
     return code_verdict(completion, problem, timeout).reward
 
 
@@ -831,6 +1232,7 @@ def code_rewards_batch(
     """`code_reward` over pairs, concurrently (at most one sandbox per core), in order."""
     if len(completions) != len(problems):
         raise ValueError(f"code_rewards_batch: {len(completions)} completions but {len(problems)} problems")
+    timeout = _check_timeout(timeout)
     workers = max(1, min(workers or _num_cores(), len(completions) or 1))
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda pair: code_reward(pair[0], pair[1], timeout), zip(completions, problems)))

@@ -27,6 +27,8 @@ import verifiers as V
 DETECTED_MODE = V.sandbox_mode()
 MODES = [DETECTED_MODE] + (["fallback"] if DETECTED_MODE != "fallback" else [])
 NAMESPACE_MODES = [m for m in MODES if m != "fallback"]
+# the attack tests also run with the host's /proc where the private one works (both must hold)
+ATTACK_MODES = MODES + (["namespaces-hostproc"] if DETECTED_MODE == "namespaces" else [])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +72,8 @@ def _pids_with_cmdline(fragment: str) -> list[int]:
 
 
 def _sandbox_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), V._SANDBOX_TMP_PREFIX + "*")))
+    parents = {tempfile.gettempdir(), getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()}
+    return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
 
 
 @pytest.fixture
@@ -458,20 +461,29 @@ def test_builtins_shadowing_is_not_inherited_by_tests(clean_sandbox):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_setsid_grandchild_never_writes_after_timeout(mode, tmp_path, clean_sandbox):
-    before, after = tmp_path / "before.txt", tmp_path / "after.txt"
-    grandchild = f"import time; time.sleep(1.5); open({str(after)!r}, 'w').write('escaped')"
+    """The witness is a FIFO (a special file: writable even on the read-only file system of the
+    namespace modes): the program writes to it in time, a setsid grandchild would write later."""
+    fifo = tmp_path / "witness"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    write = f"import os; fd = os.open({str(fifo)!r}, os.O_WRONLY | os.O_NONBLOCK); os.write(fd, b'%s')"
+    grandchild = "import time; time.sleep(1.5); " + write % "escaped"
     program = (
         "import subprocess, sys, time\n"
-        f"open({str(before)!r}, 'w').write('written in time')\n"
+        + write % "written in time"
+        + "\n"
         f"subprocess.Popen(['setsid', sys.executable, '-c', {grandchild!r}],\n"
         "                 start_new_session=True, stdin=subprocess.DEVNULL)\n"
         "\ndef add(a, b):\n    time.sleep(600)\n"
     )
-    verdict = V.code_verdict(program, ADD, timeout=1.0, mode=mode)
-    assert verdict.status == "timeout"
-    assert before.exists()  # the file system is writable: the grandchild was stopped, not blocked
-    time.sleep(2.0)
-    assert not after.exists(), "a setsid grandchild outlived the sandbox"
+    try:
+        verdict = V.code_verdict(program, ADD, timeout=1.0, mode=mode)
+        assert verdict.status == "timeout", verdict
+        assert os.read(reader, 100) == b"written in time"  # the grandchild was stopped, not blocked
+        time.sleep(2.0)
+        assert os.read(reader, 100) == b"", "a setsid grandchild outlived the sandbox"
+    finally:
+        os.close(reader)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -541,3 +553,463 @@ def test_humaneval_wrong_solutions_fail(humaneval, clean_sandbox):
     rewards = V.code_rewards_batch(shifted, humaneval)
     passed = [p["task_id"] for p, r in zip(humaneval, rewards) if r != 0.0]
     assert passed == [], passed
+
+
+# ---------------------------------------------------------------------------------------------
+# Attacks (issue 16): programs that try to score 1.0 without solving the problem, or to poison
+# every later reward. Each one scored 1.0 or left a file behind before the fix.
+# ---------------------------------------------------------------------------------------------
+
+
+def _persistence_targets() -> list[str]:
+    """Folders a program could plant code in that a later interpreter (or the trainer) reads."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    folders = [*site.getsitepackages(), paths["purelib"], paths["stdlib"], os.path.dirname(os.path.abspath(V.__file__))]
+    folders += [tempfile.gettempdir(), "/dev/shm", os.path.expanduser("~"), os.getcwd()]
+    return sorted({os.path.realpath(f) for f in folders if os.path.isdir(f)})
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_persistence_leaves_no_file(mode, clean_sandbox):
+    """A program writes a .pth into site-packages, a module next to verifiers.py and files into
+    /tmp, /dev/shm, $HOME, the stdlib: nothing it writes outside its own folder may outlive the run."""
+    if mode == "fallback":
+        pytest.skip("fallback mode cannot stop writes as the trainer's user (documented limit, warned once)")
+    name = f"verifiers-attack-{secrets.token_hex(6)}"
+    targets = [os.path.join(folder, name + suffix) for folder in _persistence_targets() for suffix in (".pth", ".py")]
+    program = (
+        "import os\n"
+        f"for path in {targets!r}:\n"
+        "    try:\n        with open(path, 'w') as f:\n            f.write('import os\\n')\n"
+        "    except OSError:\n        pass\n"
+        "\ndef add(a, b):\n    return a + b\n"
+    )
+    try:
+        verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+        left = [path for path in targets if os.path.exists(path)]
+    finally:
+        for path in targets:
+            if os.path.exists(path):
+                os.unlink(path)
+    assert verdict.status == "passed", verdict  # the program itself is correct and ran
+    assert left == [], f"files written by a sandboxed program outlived it: {left}"
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_persistence_stdio_leaves_no_file(mode, clean_sandbox):
+    if mode == "fallback":
+        pytest.skip("fallback mode cannot stop writes as the trainer's user (documented limit, warned once)")
+    name = f"verifiers-attack-{secrets.token_hex(6)}"
+    targets = [os.path.join(folder, name + ".pth") for folder in _persistence_targets()]
+    program = (
+        f"for path in {targets!r}:\n"
+        "    try:\n        open(path, 'w').write('import os\\n')\n    except OSError:\n        pass\n"
+        "print(sum(map(int, input().split())))\n"
+    )
+    try:
+        verdict = V.code_verdict(program, {"inputs": ["1 2\n"], "outputs": ["3"]}, timeout=5.0, mode=mode)
+        left = [path for path in targets if os.path.exists(path)]
+    finally:
+        for path in targets:
+            if os.path.exists(path):
+                os.unlink(path)
+    assert verdict.status == "passed", verdict
+    assert left == [], left
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
+    """Neither the program's interpreter nor the harness processes site-packages' .pth files
+    (`-S`): a planted .pth can never run inside a sandbox. The program still imports from
+    site-packages (the harness adds those folders itself)."""
+    program = (
+        "import sys\nimport numpy\n\ndef add(a, b):\n"
+        "    return a + b if sys.flags.no_site == 1 and sys.flags.isolated == 1 else 0\n"
+    )
+    stdio = "import sys, numpy\nprint(3 if sys.flags.no_site == 1 and sys.flags.isolated == 1 else 0)\n"
+    assert V.code_verdict(program, ADD, timeout=10.0, mode=mode).status == "passed"
+    assert V.code_verdict(stdio, {"inputs": [""], "outputs": ["3"]}, timeout=10.0, mode=mode).status == "passed"
+
+
+def test_attack_math_worker_does_not_load_code_from_disk(monkeypatch, tmp_path):
+    """Math workers run code held in memory: a rewritten verifiers.py on disk (which a program
+    could write where the file system is not protected) does not change any math reward."""
+    tampered = tmp_path / "verifiers.py"
+    source = open(V.__file__, encoding="utf-8").read()
+    tampered.write_text(source.replace("def _math_verify_pair(", "def _math_verify_pair(*a):\n    return True\n\ndef _x("))
+    V.close_math_workers()
+    monkeypatch.setattr(V, "__file__", str(tampered))
+    try:
+        assert V.math_reward("\\boxed{3}", "4") == 0.0
+        assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    finally:
+        V.close_math_workers()
+
+
+def test_math_worker_skips_site_processing():
+    V.close_math_workers()
+    worker = V._MathWorker()
+    try:
+        argv = worker.proc.args
+        assert "-S" in argv and "-I" in argv, argv
+        assert V.__file__ not in " ".join(argv) and "verifiers.py" not in " ".join(argv[:-1])
+        assert worker.ask("\\boxed{1}", "\\boxed{1}", 60) is True
+    finally:
+        worker.close()
+
+
+# A program that looks for the run's secret tokens (32 hex digits) in the memory of a process
+# (its own, or its ancestors' through /proc/<pid>/mem) and writes every candidate to every pipe
+# it can open, its own and its ancestors' (through /proc/<pid>/fd).
+_FORGER = f"TEST_PID = {os.getpid()}\n" + r'''
+import os, re, sys
+
+def _ancestors():
+    pids, pid = [], os.getpid()
+    for _ in range(6):
+        if pid == TEST_PID:  # never the test process itself or its ancestors (the test's shell)
+            break
+        pids.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 0:
+            break
+    return pids
+
+def _tokens(pid):
+    found = []
+    try:
+        maps = open(f"/proc/{pid}/maps").read().splitlines()
+        mem = open(f"/proc/{pid}/mem", "rb", 0)
+    except OSError:
+        return found
+    for line in maps:
+        fields = line.split()
+        if "r" not in fields[1] or (len(fields) > 5 and fields[5].startswith("/")):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if hi - lo > 256 << 20:
+            continue
+        try:
+            mem.seek(lo)
+            found += re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])", mem.read(hi - lo))
+        except (OSError, OverflowError, ValueError):
+            pass
+    return found
+
+def _pipes(pid):
+    fds = []
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return fds
+    for name in names:
+        path = f"/proc/{pid}/fd/{name}"
+        try:
+            if os.readlink(path).startswith("pipe:"):
+                fds.append(int(name) if pid == os.getpid() else os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+    return fds
+
+def forge():
+    pids = _ancestors()
+    tokens = []
+    for pid in pids:
+        tokens += _tokens(pid)
+    tokens = list(dict.fromkeys(tokens))[:1500]
+    fds = [fd for pid in pids for fd in _pipes(pid)]
+    for fd in fds:
+        try:
+            os.set_blocking(fd, False)
+        except OSError:
+            pass
+        for token in tokens:
+            try:
+                os.write(fd, token + b"\n")
+            except OSError:
+                break
+    return len(tokens), len(fds)
+'''
+
+_FRAME_FORGER = r'''
+import gc, os, sys
+
+def forge_from_frames():
+    frame = sys._getframe()
+    while frame is not None:
+        names = frame.f_locals
+        if "pass_token" in names and "status_fd" in names:
+            os.write(names["status_fd"], names["pass_token"] + b"\n")
+            os._exit(0)
+        frame = frame.f_back
+    for obj in gc.get_objects():
+        if isinstance(obj, dict) and "pass_token" in obj and "status_fd" in obj:
+            os.write(obj["status_fd"], str(obj["pass_token"]).encode() + b"\n")
+            os._exit(0)
+'''
+
+FORGERIES = {
+    "frames": _FRAME_FORGER + "forge_from_frames()\n\ndef add(a, b):\n    return 0\n",
+    "memory_at_load": _FORGER + "forge()\nos._exit(0)\n\ndef add(a, b):\n    return 0\n",
+    "memory_in_call": _FORGER + "\ndef add(a, b):\n    forge()\n    os._exit(0)\n",
+    "memory_then_wrong": _FORGER + "forge()\n\ndef add(a, b):\n    return 0\n",
+}
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+@pytest.mark.parametrize("name", list(FORGERIES))
+def test_attack_forged_verdict_humaneval(mode, name, clean_sandbox):
+    verdict = V.code_verdict(FORGERIES[name], ADD, timeout=10.0, mode=mode)
+    assert verdict.reward == 0.0, verdict
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_forged_verdict_mbpp(mode, clean_sandbox):
+    problem = {"test_list": ["assert add(2, 3) == 5"]}
+    for program in FORGERIES.values():
+        verdict = V.code_verdict(program, problem, timeout=10.0, mode=mode)
+        assert verdict.reward == 0.0, (program[-60:], verdict)
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_forged_verdict_stdio(mode, clean_sandbox):
+    """A stdin/stdout program reads its ancestors' memory through /proc/<pid>/mem for the tokens
+    and writes them into the status pipe through /proc/<pid>/fd."""
+    problem = {"inputs": ["1 2\n"], "outputs": ["3"]}
+    for tail in ("forge()\nos._exit(0)\n", "forge()\nprint(0)\n"):
+        verdict = V.code_verdict(_FORGER + tail, problem, timeout=10.0, mode=mode)
+        assert verdict.reward == 0.0, (tail, verdict)
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_expected_output_not_in_reach(mode, clean_sandbox):
+    """The expected outputs must not be readable by a stdin/stdout program: it scans the memory of
+    every process it can see for a 31-digit number (the expected output) and prints it."""
+    secret = str(10**30 + secrets.randbelow(10**29))
+    program = (
+        "import os, re\n"
+        "found = b''\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    if not pid.isdigit() or int(pid) == os.getpid():\n        continue\n"
+        "    try:\n"
+        "        mem = open(f'/proc/{pid}/mem', 'rb', 0)\n"
+        "        maps = open(f'/proc/{pid}/maps').read().splitlines()\n"
+        "    except OSError:\n        continue\n"
+        "    for line in maps:\n"
+        "        lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "        if hi - lo < 256 << 20 and 'r' in line.split()[1]:\n"
+        "            try:\n"
+        "                mem.seek(lo)\n"
+        "                m = re.search(rb'(?<![0-9])1[0-9]{30}(?![0-9])', mem.read(hi - lo))\n"
+        "                found = m.group() if m else found\n"
+        "            except (OSError, OverflowError, ValueError):\n"
+        "                pass\n"
+        "print(found.decode() or 0)\n"
+    )
+    verdict = V.code_verdict(program, {"inputs": ["x\n"], "outputs": [secret]}, timeout=10.0, mode=mode)
+    assert verdict.reward == 0.0, verdict
+
+
+def _humaneval_problem(task_id: str) -> dict:
+    return next(p for p in V.load_humaneval() if p["task_id"] == task_id)
+
+
+GLOBAL_REDEFINITIONS = {
+    # full functions (chat format): the prompt's helper is redefined next to the entry point
+    "HumanEval/38": "```python\ndef encode_cyclic(s):\n    return s\n\ndef decode_cyclic(s):\n    return s\n```",
+    "HumanEval/50": "```python\ndef encode_shift(s):\n    return s\n\ndef decode_shift(s):\n    return s\n```",
+    "HumanEval/32": "```python\ndef poly(xs, x):\n    return 0\n\ndef find_zero(xs):\n    return 0.0\n```",
+}
+GLOBAL_REDEFINITION_BODIES = {
+    # HumanEval's own format: a body continuing the prompt, then a redefinition of the helper
+    "HumanEval/38": "    return s\n\n\ndef encode_cyclic(s):\n    return s\n",
+    "HumanEval/32": "    return 0.0\n\n\ndef poly(xs, x):\n    return 0\n",
+    "HumanEval/32-global": "    global poly\n    poly = lambda xs, x: 0\n    return 0.0\n",
+}
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_redefined_prompt_helpers_humaneval(mode, clean_sandbox):
+    for task_id, completion in [*GLOBAL_REDEFINITIONS.items(), *GLOBAL_REDEFINITION_BODIES.items()]:
+        problem = _humaneval_problem(task_id.split("-")[0])
+        verdict = V.code_verdict(completion, problem, timeout=10.0, mode=mode)
+        assert verdict.reward == 0.0, (task_id, verdict)
+        assert V.code_verdict(problem["canonical_solution"], problem, timeout=10.0, mode=mode).reward == 1.0
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_redefined_modules(mode, clean_sandbox):
+    """Tests call modules (math) and the completion patches or replaces them."""
+    mbpp_setup = {"test_list": ["assert math.isclose(area(2), 12.566370614359172)"], "test_setup_code": "import math"}
+    mbpp_bare = {"test_list": ["assert math.floor(area(2)) == 12"]}
+    humaneval = dict(
+        ADD, test="import math\n\ndef check(candidate):\n    assert math.isclose(candidate(2, 3), 5.0)\n"
+    )
+    attacks = [
+        (mbpp_setup, "import math\nmath.isclose = lambda *a, **k: True\n\ndef area(r):\n    return 0\n"),
+        (mbpp_setup, "import sys\nsys.modules['math'].isclose = lambda *a, **k: True\n\ndef area(r):\n    return 0\n"),
+        (mbpp_bare, "class math:\n    @staticmethod\n    def floor(x):\n        return 12\n\ndef area(r):\n    return 0\n"),
+        (mbpp_bare, "import math\nmath.floor = lambda x: 12\n\ndef area(r):\n    return 0\n"),
+        (humaneval, "import math\nmath.isclose = lambda *a, **k: True\n\ndef add(a, b):\n    return 0\n"),
+    ]
+    for problem, program in attacks:
+        verdict = V.code_verdict(program, problem, timeout=10.0, mode=mode)
+        assert verdict.reward == 0.0, (program, verdict)
+    honest = "import math\n\ndef area(r):\n    return math.pi * r * r\n"
+    assert V.code_verdict(honest, mbpp_setup, timeout=10.0, mode=mode).reward == 1.0
+    assert V.code_verdict(honest, mbpp_bare, timeout=10.0, mode=mode).reward == 1.0
+
+
+@pytest.mark.parametrize("mode", [m for m in ATTACK_MODES if m != "fallback"])
+def test_attack_cannot_signal_host_processes(mode, clean_sandbox):
+    import subprocess
+    import sys
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        program = (
+            "import os, signal\n"
+            f"for pid in ({victim.pid}, {os.getpid()}, 1):\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL) if pid != 1 else None\n    except OSError:\n        pass\n"
+            "\ndef add(a, b):\n    return a + b\n"
+        )
+        V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+        time.sleep(0.2)
+        assert victim.poll() is None, "a sandboxed program killed a host process"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_fallback_limits_are_printed_once(monkeypatch, caplog):
+    monkeypatch.setenv("VERIFIERS_SANDBOX", "fallback")
+    monkeypatch.setattr(V, "_sandbox_mode", None)
+    with caplog.at_level("WARNING", logger=V.__name__):
+        assert V.sandbox_mode() == "fallback"
+        assert V.sandbox_mode() == "fallback"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    for words in ("kill", "loopback", "write"):
+        assert words in warnings[0], warnings[0]
+    monkeypatch.setattr(V, "_sandbox_mode", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edges (issue 16, item 5)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [1e9, math.inf, 10**12])
+def test_math_reward_huge_timeout_scores_correct_answers(timeout):
+    assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=timeout) == 1.0
+    assert V.math_reward("\\boxed{0.4}", "\\frac{1}{2}", timeout=timeout) == 0.0
+
+
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, 0.0, "5"])
+def test_math_reward_rejects_bad_timeout(timeout):
+    with pytest.raises(ValueError):
+        V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=timeout)
+
+
+def test_math_reward_timeout_includes_waiting_for_a_worker(monkeypatch):
+    slots = threading.BoundedSemaphore(1)
+    slots.acquire()  # every worker slot is busy
+    monkeypatch.setattr(V, "_math_slots", slots)
+    releaser = threading.Timer(4.0, slots.release)
+    releaser.start()
+    try:
+        start = time.monotonic()
+        assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=0.5) == 0.0
+        assert time.monotonic() - start < 1.5
+    finally:
+        releaser.cancel()
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, -1.0, 0.0, 1e30])
+def test_code_reward_rejects_bad_timeout(timeout):
+    with pytest.raises(ValueError):
+        V.code_reward("    return a + b\n", ADD, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        None,
+        "def f(): pass",
+        {"test_list": 5},
+        {"test_list": ["assert f() == 1"], "test_setup_code": 3},
+        {"entry_point": 3, "test": "def check(c): pass", "prompt": ""},
+        {"entry_point": "f", "test": None, "prompt": ""},
+        {"entry_point": "f", "test": "def check(c): pass", "prompt": None},
+        {"inputs": 5, "outputs": 5},
+        {"inputs": ["1"], "outputs": None},
+    ],
+)
+def test_code_reward_malformed_problem_is_value_error(problem):
+    with pytest.raises(ValueError):
+        V.code_reward("def f():\n    return 1\n", problem)
+
+
+def test_arith_reward_long_integers():
+    big = "9" * 5000
+    assert V.arith_reward(f"The answer is \\boxed{{{big}}}", big) == 1.0
+    assert V.arith_reward(f"so {big}", big) == 1.0
+    assert V.arith_reward(f"\\boxed{{{big[:-1]}8}}", big) == 0.0
+    assert V.arith_reward(f"\\boxed{{{big}.50}}", big + ".5") == 1.0
+    assert V.arith_reward(f"\\boxed{{-{big}}}", big) == 0.0
+    assert V.arith_reward("\\boxed{-0.0}", "0") == 1.0
+
+
+@pytest.mark.parametrize("mode", [m for m in ATTACK_MODES if m != "fallback"])
+def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
+    """Sibling samples of the same problem run at the same time: their folders (programs, outputs)
+    must be out of a program's sight, and nothing of the run's secrets exists as a file."""
+    parent = getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()
+    decoy = os.path.join(parent, f"decoy-{secrets.token_hex(6)}")
+    os.mkdir(decoy)
+    try:
+        program = (
+            "import os\n"
+            f"SEEN = os.path.exists({decoy!r}) or any(os.listdir(os.path.dirname(os.getcwd())) != ['work'] for _ in [0])\n"
+            "SEEN = SEEN or any(n.endswith('.json') for n in os.listdir(os.path.dirname(os.getcwd())))\n"
+            "\ndef add(a, b):\n    return 0 if SEEN else a + b\n"
+        )
+        verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+        assert verdict.status == "passed", verdict
+    finally:
+        os.rmdir(decoy)
+
+
+@pytest.mark.parametrize("mode", ATTACK_MODES)
+def test_attack_judge_is_out_of_reach(mode, clean_sandbox):
+    """From the program, every way into the judge (its parent) fails: /proc/<judge>/fd links and
+    mem, ptrace, pidfd_getfd of the status pipe."""
+    program = (
+        "import ctypes, os\n"
+        "judge = os.getppid()\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "reached = []\n"
+        "for name, attempt in [\n"
+        "    ('readlink', lambda: os.readlink(f'/proc/{judge}/fd/1')),\n"
+        "    ('open fd', lambda: os.open(f'/proc/{judge}/fd/1', os.O_WRONLY)),\n"
+        "    ('mem', lambda: open(f'/proc/{judge}/mem', 'rb').read(1)),\n"
+        "    ('environ', lambda: open(f'/proc/{judge}/environ', 'rb').read(1)),\n"
+        "]:\n"
+        "    try:\n        attempt()\n        reached.append(name)\n    except OSError:\n        pass\n"
+        "if libc.ptrace(16, judge, 0, 0) == 0:\n    reached.append('ptrace')\n"
+        "pidfd = libc.syscall(434, judge, 0)\n"
+        "if pidfd >= 0 and any(libc.syscall(438, pidfd, fd, 0) >= 0 for fd in range(3, 64)):\n"
+        "    reached.append('pidfd_getfd')\n"
+        "os.write(2, repr(reached).encode())\n"
+        "\ndef add(a, b):\n    return 0 if reached else a + b\n"
+    )
+    verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
+    assert verdict.status == "passed", verdict
