@@ -249,14 +249,17 @@ def embedded_model_dir() -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting the embedded model {ggufs[0]} to {target} (once)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=ggufs[0])
-    gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=ggufs[0], dtype=torch.float32)
-    # The loaded model carries a GGUF quantizer marker that save_pretrained refuses: rebuild it plainly.
-    config_dict = gguf_model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**config_dict)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf_model.state_dict())
+    # loading and the random init of from_config draw from torch's RNG: a first run that converts must not move
+    # the seeded stream (it would differ from every later run with the same seed)
+    with torch.random.fork_rng(devices=[]):
+        tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=ggufs[0])
+        gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=ggufs[0], dtype=torch.float32)
+        # The loaded model carries a GGUF quantizer marker that save_pretrained refuses: rebuild it plainly.
+        config_dict = gguf_model.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = AutoConfig.for_model(**config_dict)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

