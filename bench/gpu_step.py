@@ -111,15 +111,17 @@ def sync(device: torch.device) -> None:
 
 
 def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # the method scripts' precision (common.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
+    dtype, autocast_dtype = common.model_dtypes(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, tokenizer = build_model(name, a.model, device, dtype, a.gradient_checkpointing)
+    model.autocast_dtype = autocast_dtype  # read by common.autocast_context in generation and log-probs
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    out = {"config": name if not a.model else a.model, "params_M": round(n_params / 1e6, 1), "dtype": str(dtype),
+    out = {"config": name if not a.model else a.model, "params_M": round(n_params / 1e6, 1), "dtype": f"{dtype} weights, {autocast_dtype or 'no'} autocast",
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
     # generation: gen_prompts x G rows through the HF engine
