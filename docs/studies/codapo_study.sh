@@ -17,6 +17,9 @@
 # 10 + 60 + 125 + 3 x 20 = about 255 s per run; 4 arms x 3 seeds = 12 runs, about 51 min on an otherwise idle
 # 2-core machine (longer when the lock is shared).
 #
+# SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
+# slower per step than the idle figures above): 59 s wall (1 step: rollout 14 s, train 40 s), exit 0, compare table printed.
+#
 # Usage (from anywhere): bash docs/studies/codapo_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full noweight nofocus neither"  LR=1e-5  OUT=runs/study_codapo
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
@@ -31,6 +34,7 @@ OUT=${OUT:-runs/study_codapo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
 DOCS=docs/studies
+PLOTS=$DOCS/plots  # one PNG per --metric key: many files
 
 declare -A ARM=(
   [full]=""
@@ -64,7 +68,7 @@ if [ "$SMOKE" = 1 ]; then
   exit 0
 fi
 
-mkdir -p "$DOCS"
+mkdir -p "$DOCS" "$PLOTS"
 # against both switches off: held-out pass@1 / pass@2 and pass@1 per tier (paired per seed; the eval curves
 # over training, per tier included, go to codapo_eval.png), and the dynamics over updates (rollout keys are on
 # the first update row of each step; a confidence class with no rollout in a step is absent there)
@@ -72,5 +76,5 @@ mkdir -p "$DOCS"
   --metric 'eval/tier*/pass@1' --metric codapo/confidence_correct_mean --metric codapo/confidence_incorrect_mean \
   --metric codapo/confidence_mean --metric codapo/adv_abs_mean --metric codapo/adv_abs_mean_unweighted \
   --metric codapo/weight_mean --metric codapo/learnable_frac --metric codapo/selected \
-  --plot-dir "$DOCS" --plot-name codapo > "$DOCS/codapo.md"
+  --plot-dir "$PLOTS" --plot-name codapo > "$DOCS/codapo.md"
 echo "tables and plots in $DOCS/codapo*"

@@ -19,6 +19,9 @@
 # 10 s load + 40 s rollout + 90 s train + 2 x 13 s eval = about 170 s per run; 6 arms x 3 seeds = 18 runs,
 # about 50 min on an otherwise idle 2-core machine (longer when the lock is shared).
 #
+# SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
+# slower per step than the idle figures above): 54 s wall (1 step: rollout 14 s, train 34 s), exit 0, compare table printed.
+#
 # Usage (from anywhere): bash docs/studies/gapo_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="gapo_tok sym_tok ..."  LR=5e-5  OUT=runs/study_gapo
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
@@ -33,6 +36,7 @@ OUT=${OUT:-runs/study_gapo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
 DOCS=docs/studies
+PLOTS=$DOCS/plots  # one PNG per --metric key: many files
 
 declare -A ARM=(
   [gapo_tok]="--clip-level token --clip-mode adaptive --clip-low 0.2 --clip-high-max 0.28"
@@ -68,14 +72,14 @@ if [ "$SMOKE" = 1 ]; then
   exit 0
 fi
 
-mkdir -p "$DOCS"
+mkdir -p "$DOCS" "$PLOTS"
 # main tables + paired per-seed differences against the symmetric clip; per-c clip fraction and |ratio - 1|
 # (final values and curves over updates), overall and upper clip fraction, held-out pass@1 per tier
 for level in tok seq; do
   "$PYTHON" compare.py "$OUT"/*_${level}_s* --baseline sym_${level} \
     --metric 'gapo/clipfrac_c*' --metric 'gapo/ratio_absdev_c*' --metric losses/clipfrac \
     --metric losses/clipfrac_high --metric 'eval/tier*/pass@1' \
-    --plot-dir "$DOCS" --plot-name gapo_${level} > "$DOCS/gapo_${level}.md"
+    --plot-dir "$PLOTS" --plot-name gapo_${level} > "$DOCS/gapo_${level}.md"
   # the same runs against clip-higher (GAPO's c = 1 bound equals it; does widening only there help?)
   "$PYTHON" compare.py "$OUT"/*_${level}_s* --baseline asym_${level} --no-plot \
     > "$DOCS/gapo_${level}_vs_asym.md"
@@ -107,10 +111,13 @@ for prefix, title in (("gapo/clipfrac_c", "clip fraction of correct off-policy r
     cs = sorted({int(k[len(prefix):]) for rs in runs.values() for rows in rs for r in rows for k in r
                  if k.startswith(prefix)})
     print(f"\n{title}, by group success count c (mean over updates, then mean +- std over seeds)\n")
-    print("| arm | " + " | ".join(f"c={c}" for c in cs) + " | all tokens (losses/clipfrac) |")
-    print("|---" * (len(cs) + 2) + "|")
+    extra = prefix == "gapo/clipfrac_c"  # plus the clip fraction of all units (tokens or sequences)
+    print("| arm | " + " | ".join(f"c={c}" for c in cs) + (" | all units (losses/clipfrac) |" if extra else " |"))
+    print("|---" * (len(cs) + 1 + extra) + "|")
     for arm, rs in sorted(runs.items()):
         cells = [cell([run_mean(rows, f"{prefix}{c}") for rows in rs]) for c in cs]
-        print(f"| {arm} | " + " | ".join(cells) + f" | {cell([run_mean(rows, 'losses/clipfrac') for rows in rs])} |")
+        if extra:
+            cells.append(cell([run_mean(rows, "losses/clipfrac") for rows in rs]))
+        print(f"| {arm} | " + " | ".join(cells) + " |")
 PY
 echo "tables and plots in $DOCS/gapo_*"

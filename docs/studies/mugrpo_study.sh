@@ -18,6 +18,9 @@
 # about 0.16 s per eval sample, about 10 s load): 10 + 40 + 100 + 2 x 13 = about 175 s per run; 6 arms x 3 seeds
 # = 18 runs, about 53 min on an otherwise idle 2-core machine (longer when the lock is shared).
 #
+# SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
+# slower per step than the idle figures above): 102 s wall (1 stage: rollout 27 s, train 70 s), exit 0, compare table printed.
+#
 # Usage (from anywhere): bash docs/studies/mugrpo_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="naive relaxed_noveto ..."  LR=5e-5  MU=16  OUT=runs/study_mugrpo
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
@@ -33,6 +36,7 @@ OUT=${OUT:-runs/study_mugrpo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
 DOCS=docs/studies
+PLOTS=$DOCS/plots  # one PNG per --metric key: many files
 
 RELAXED="--clip-low 1.0 --clip-high 4.0"
 declare -A ARM=(
@@ -69,14 +73,14 @@ if [ "$SMOKE" = 1 ]; then
   exit 0
 fi
 
-mkdir -p "$DOCS"
+mkdir -p "$DOCS" "$PLOTS"
 # every arm against naive reuse: held-out accuracy (paired per seed), curves over updates of the stale-data
 # diagnostics (a key with no data in a row is absent there, so curves skip it)
 "$PYTHON" compare.py "$OUT"/* --baseline naive \
   --metric mugrpo/staleness --metric losses/approx_kl --metric mugrpo/triggered_frac \
   --metric mugrpo/vetoed_token_frac --metric mugrpo/neg_ratio_mean --metric losses/entropy \
   --metric losses/clipfrac --metric rollout/response_len_mean --metric eval/response_len_mean \
-  --metric 'eval/tier*/pass@1' --plot-dir "$DOCS" --plot-name mugrpo > "$DOCS/mugrpo.md"
+  --metric 'eval/tier*/pass@1' --plot-dir "$PLOTS" --plot-name mugrpo > "$DOCS/mugrpo.md"
 # the veto's own effect: every veto scope against the relaxed clip alone
 "$PYTHON" compare.py "$OUT"/* --baseline relaxed_noveto --metric losses/entropy --metric losses/approx_kl \
   --no-plot > "$DOCS/mugrpo_vs_relaxed_noveto.md"
