@@ -236,6 +236,27 @@ def codapo_weights(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, group_siz
     return codapo_confidence(seq_mean_logp, group_size) * value_difficulty + offset  # (P,)
 
 
+def codapo_dynamics(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, advantages: torch.Tensor,
+                    unweighted_advantages: torch.Tensor | None = None) -> dict:
+    """The paper's training dynamics for one step (rollout-level; logged on the step's first update row).
+
+    rewards, seq_mean_logp (mean_t old_logp_it), advantages: (B,). Per rollout, confidence exp(mean_t old_logp_it)
+    (the geometric-mean token probability under the sampling policy) averaged over the correct (r >= 1) and over
+    the incorrect rollouts: confidence inflation shows as both rising; mean |A_i| over the B rollouts as used in
+    the update (after w_q) shows advantage contraction; with `unweighted_advantages` also mean |A_i| before w_q.
+    A class with no rollout is left out of the dict (a metric with no data is never None or NaN)."""
+    conf = torch.exp(seq_mean_logp.to(torch.float32))  # (B,) per-rollout confidence in (0, 1]
+    right = rewards >= 1.0  # (B,) correct rollouts, the same rule as success_rate
+    out = {"codapo/adv_abs_mean": advantages.to(torch.float32).abs().mean().item()}  # mean_i |A_i| after w_q
+    if unweighted_advantages is not None:
+        out["codapo/adv_abs_mean_unweighted"] = unweighted_advantages.to(torch.float32).abs().mean().item()
+    if right.any():
+        out["codapo/confidence_correct_mean"] = conf[right].mean().item()
+    if (~right).any():
+        out["codapo/confidence_incorrect_mean"] = conf[~right].mean().item()
+    return out
+
+
 def select_for_resampling(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
                           percentile: float = 0.75) -> list[int]:
     """Group indices for the focused step, highest weight first (ties: batch order).
@@ -400,6 +421,8 @@ def main(args: Args) -> None:
                       "codapo/learnable_frac": ((p_q > 0) & (p_q < 1)).float().mean().item(),
                       "codapo/focused_step": float(focused),
                       f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item()}
+        codapo_row |= codapo_dynamics(rewards, seq_mean_logp, advantages,  # confidence by class, mean |A|
+                                      compute_advantages(rewards, G, None, args.codapo_std_eps))
         if not focused:  # broad step: pick what the next (focused) step re-rolls from the updated policy
             selected = select_for_resampling(rewards, weights, G, args.codapo_percentile)  # group ids, best first
             codapo_row["codapo/selected"] = len(selected)

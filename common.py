@@ -1573,6 +1573,14 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
 # Evaluation
 
 
+TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a string "tier" value usable in a metric key
+
+
+def is_tier_key(key: str) -> bool:
+    """eval/tier<t>/... or eval/<set>/tier<t>/...: the per-difficulty-band keys of `evaluate`."""
+    return re.search(r"/tier[^/]+/[^/]+$", key) is not None
+
+
 def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples: int, temperature: float,
              max_new_tokens: int, ks: Sequence[int], seed: int | None = None) -> tuple[dict, list[dict]]:
     """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
@@ -1593,8 +1601,20 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
             continue
         vals = [verifiers.pass_at_k(n_samples, int(c), k) for c in correct.sum(1).tolist()]
         metrics[f"eval/pass@{k}"] = sum(vals) / len(vals)
+    # difficulty bands: problems with a "tier" field (the built-in arith task) also get pass@1 per tier,
+    # eval/tier<t>/pass@1 and eval/tier<t>/n_problems (evaluate_sets prefixes them per set like every key)
+    tiers = [t if isinstance(t, int) and not isinstance(t, bool) or isinstance(t, str) and TIER_NAME.fullmatch(t)
+             else None for t in (p.get("tier") for p in task.problems)]  # other values: no tier
+    if any(t is not None for t in tiers):
+        per_problem = correct.float().mean(1).tolist()  # pass@1 of each problem: its share of correct samples
+        for t in sorted({t for t in tiers if t is not None}, key=str):
+            vals = [v for v, pt in zip(per_problem, tiers) if pt == t]
+            metrics[f"eval/tier{t}/pass@1"] = sum(vals) / len(vals)
+            metrics[f"eval/tier{t}/n_problems"] = len(vals)
     records = [{"problem": i, "sample": j, "correct": bool(correct[i, j]),
-                "reward": rewards[i * n_samples + j].item()} for i in range(len(task.problems)) for j in range(n_samples)]
+                "reward": rewards[i * n_samples + j].item(),
+                **({"tier": tiers[i]} if tiers[i] is not None else {})}
+               for i in range(len(task.problems)) for j in range(n_samples)]
     samples = [{"question": task.problems[i].get("question", "")[:500], "answer": task.problems[i].get("answer"),
                 "completion": rollout.texts[i * n_samples], "reward": rewards[i * n_samples].item()}
                for i in range(min(4, len(task.problems)))]
@@ -1739,6 +1759,7 @@ class RunLogger:
 
 def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
     parts = [f"step {step}/{total}"]
+    keys = [k for k in keys if not is_tier_key(k)]  # per-tier eval keys: metrics.jsonl only, not the console
     suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
     for k in keys:
         if suite and k.startswith("eval/") and k.count("/") == 1:
@@ -1751,7 +1772,8 @@ def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
 
 def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
     print(f"\n===== {title} =====")
-    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")]
+    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")
+            and not is_tier_key(k)]  # per-tier keys stay in metrics.jsonl
     per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
     for key in (per_set or sorted(keys)):
         b = before.get(key) if before else None
