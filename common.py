@@ -53,12 +53,13 @@ def run_cli(main: Callable, args_cls: type) -> None:
     """Parse `args_cls` from the command line and run `main(args)`; user errors and OOM become one line."""
     try:
         main(parse_args(args_cls))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except RunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        world().shutdown()
+    except (UserError, RunError) as exc:
+        # an error every rank raised together (World.agree, a non-finite global norm) is printed once, by rank 0
+        if world().is_main or not getattr(exc, "on_every_rank", False):
+            print(f"error: {exc}", file=sys.stderr)
+        world().shutdown()
+        sys.exit(2 if isinstance(exc, UserError) else 1)
     except torch.OutOfMemoryError:
         print("error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
               "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
@@ -192,17 +193,23 @@ def arg(default: Any, help: str, **kw) -> Any:
 
 
 def seed_everything(seed: int) -> None:
+    """Seed python, torch and numpy's global generators (what sampling draws from). Under torchrun each rank gets
+    its own stream (seed + 1000003 * rank: rank 0 = a one-process run); everything every rank must agree on (prompt
+    order, mini-batch plan) uses its own seeded generator."""
+    seed = seed + 1_000_003 * world().rank
     random.seed(seed)
     torch.manual_seed(seed)
     try:
         import numpy as np
 
-        np.random.seed(seed)
+        np.random.seed(seed % 2**32)
     except ImportError:
         pass
 
 
 def pick_device() -> torch.device:
+    if world().enabled:
+        return world().device  # the rank's own GPU (cuda:LOCAL_RANK), or the CPU
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -218,6 +225,7 @@ def set_cpu_threads() -> None:
     """Use every core on CPU (torch's default can be lower inside containers)."""
     if not torch.cuda.is_available():
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun: the node's ranks share its cores
         torch.set_num_threads(max(1, n))
 
 
@@ -225,6 +233,245 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes (torchrun + FSDP2; docs/distributed.md)
+#
+# `python gapo.py` is world size 1: no process group, no wrapping, and every World method below returns its input
+# (the same numbers as before). Under `torchrun --nproc-per-node N` every rank runs the same script on the same
+# seeded prompts and mini-batch plan; whole prompt groups are dealt to ranks, each generates and trains only its
+# rows, per-row scalars (rewards, lengths, what a method needs) are shared so that every rank computes the group
+# and batch statistics of the whole batch, and loss denominators are global (FSDP sums gradients, it does not
+# average them: see shard_model).
+
+DIST_TIMEOUT_S = float(os.environ.get("RLVR_DIST_TIMEOUT_S", "1800"))  # unbalanced generation on a GPU takes minutes
+
+
+def env_world_size() -> int:
+    """World size torchrun announces in the environment (1 for a plain `python` run); readable before init."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise UserError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number; launch with torchrun") from None
+
+
+def minibatch_group_counts(num_prompts: int, num_minibatches: int) -> list[int]:
+    """Prompt groups per mini-batch of group_shuffled_minibatches (ceil(P/M) each, the last one the rest)."""
+    per = math.ceil(num_prompts / num_minibatches)
+    return [n for m in range(num_minibatches) if (n := min(per, num_prompts - m * per)) > 0]
+
+
+class World:
+    """The training processes: rank, world size, device, and the few collectives the scripts use.
+
+    World size 1 (plain `python`): no process group; every method is the identity on its input."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 device: torch.device | None = None):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = device
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- splitting a batch ---------------------------------------------------------------------
+    def deal_groups(self, minibatches: Sequence[Sequence[int]], group_size: int) -> list[int]:
+        """This rank's prompt groups (global indices, ascending): in each mini-batch of the seeded plan its k-th
+        group goes to rank k % W, so every rank holds the same number of groups of every mini-batch."""
+        mine = []
+        for mb in minibatches:
+            groups = [mb[i] // group_size for i in range(0, len(mb), group_size)]
+            if len(groups) % self.world_size:
+                raise RunError(f"a mini-batch of {len(groups)} prompt groups cannot be split evenly over "
+                               f"{self.world_size} processes")
+            mine += groups[self.rank::self.world_size]
+        return sorted(mine)
+
+    # -- collectives (identity at world size 1) ------------------------------------------------
+    def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """values (B, ...) valid on this rank's `rows` only -> valid on every row, on every rank (each row has
+        exactly one owner: a SUM of the owner's value and zeros, exact in any dtype)."""
+        if not self.enabled:
+            return values
+        import torch.distributed as td
+
+        own = torch.zeros(values.shape[0], dtype=torch.bool)
+        own[list(rows)] = True
+        out = torch.where(own.view(-1, *[1] * (values.dim() - 1)), values.cpu(), torch.zeros((), dtype=values.dtype))
+        out = out.to(self.device)
+        td.all_reduce(out, op=td.ReduceOp.SUM)
+        return out.to(values.device)
+
+    def sum(self, values):
+        """All-reduce SUM of a float, a tensor, or a dict of floats (in float64: metric sums and counts)."""
+        if not self.enabled:
+            return values
+        import torch.distributed as td
+
+        if isinstance(values, dict):
+            keys = list(values)
+            total = self.sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+            return {k: v.item() for k, v in zip(keys, total)}
+        if isinstance(values, torch.Tensor):
+            out = values.detach().to(self.device, torch.float64 if values.is_floating_point() else values.dtype).clone()
+            td.all_reduce(out, op=td.ReduceOp.SUM)
+            return out.to(values.device, values.dtype)
+        return self.sum(torch.tensor([float(values)], dtype=torch.float64)).item()
+
+    def max(self, value: float) -> float:
+        if not self.enabled:
+            return value
+        import torch.distributed as td
+
+        out = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        td.all_reduce(out, op=td.ReduceOp.MAX)
+        return out.item()
+
+    def gather_objects(self, obj) -> list:
+        """[obj of rank 0, obj of rank 1, ...] on every rank (pickled: small things only)."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as td
+
+        out = [None] * self.world_size
+        td.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as td
+
+        box = [obj]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as td
+
+            td.barrier()
+
+    def agree(self, fn: Callable, *args, **kwargs):
+        """fn(*args) on every rank; if it raised on any rank, every rank raises the same one-line error (that of
+        the lowest failing rank), so no rank is left waiting in the next collective."""
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        try:
+            result, failure = fn(*args, **kwargs), None
+        except (UserError, RunError) as exc:
+            result, failure = None, (type(exc).__name__, str(exc))
+        except Exception as exc:  # a reward sandbox that will not start, a custom reward that raises, ...
+            result, failure = None, ("RunError", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+        failures = [(r, f) for r, f in enumerate(self.gather_objects(failure)) if f is not None]
+        if failures:
+            rank, (kind, message) = failures[0]
+            error = (UserError if kind == "UserError" else RunError)(f"{message} (rank {rank})")
+            error.on_every_rank = True  # run_cli prints it on rank 0 only
+            raise error
+        return result
+
+    def shutdown(self) -> None:
+        import torch.distributed as td
+
+        if self.enabled and td.is_initialized():
+            td.destroy_process_group()  # without it a 2-rank run sometimes aborted at exit (distributed.md)
+
+
+_WORLD = World()
+
+
+def world() -> World:
+    """The current World (world size 1 until init_world runs under torchrun)."""
+    return _WORLD
+
+
+def init_world() -> World:
+    """Under torchrun: join the process group (gloo on CPU, NCCL with the rank's GPU), quiet the other ranks'
+    stdout and progress bars. Plain `python`: world size 1, nothing happens."""
+    global _WORLD
+    if env_world_size() == 1 or _WORLD.enabled:
+        return _WORLD
+    import datetime
+
+    import torch.distributed as td
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        td.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        td.init_process_group("gloo", timeout=timeout)
+    _WORLD = World(td.get_rank(), td.get_world_size(), local_rank, device)
+    if rank != 0:  # one console: metrics lines, summaries and progress bars come from rank 0 (errors: every rank)
+        sys.stdout = open(os.devnull, "w")
+        import tqdm.std
+
+        quiet_init = tqdm.std.tqdm.__init__
+
+        def _quiet(self, *a, **kw):
+            kw["disable"] = True
+            quiet_init(self, *a, **kw)
+
+        tqdm.std.tqdm.__init__ = _quiet
+    return _WORLD
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a transformers causal LM (`model.<base>.layers`: Llama, Qwen2, Mistral, ...)."""
+    body = getattr(model, model.base_model_prefix, None)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise UserError(f"cannot find the decoder layers of {type(model).__name__} (expected "
+                        f"model.{model.base_model_prefix}.layers) to shard it over several processes")
+    return layers
+
+
+def shard_model(model):
+    """FSDP2 over the world: `fully_shard` on every decoder layer, then on the root (embeddings, final norm, LM
+    head). Gradients are SUMMED over ranks (divide factor 1 on every FSDP module: the setter is not recursive):
+    each rank's loss already carries the global denominators (mini-batch tokens or rows), so the sum is the
+    one-process gradient. completion_logps' path (the body + the LM head weight, not model.forward) is
+    registered as an FSDP forward method. World size 1: the model unchanged."""
+    if not world().enabled:
+        return model
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for module in [*layers, model]:
+        module.set_gradient_divide_factor(1.0)
+    model.rlvr_completion_logps = _completion_logps.__get__(model)
+    register_fsdp_forward_method(model, "rlvr_completion_logps")
+    return model
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over the trainable parameters; the global norm as a plain tensor (FSDP2: the same on
+    every rank, so a non-finite check fires on all ranks together)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
+    """RunError for a non-finite gradient norm (the global norm: every rank raises the same line)."""
+    if not torch.isfinite(grad_norm):
+        error = RunError(f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
+                         "the data; the last checkpoint is intact")
+        error.on_every_rank = True
+        raise error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,8 +513,14 @@ def embedded_model_dir() -> str:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
+    if not os.path.isfile(os.path.join(target, "config.json")):  # else another process (torchrun rank) won the race
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -1060,6 +1313,110 @@ class RolloutBatch:
                 self._completion_offsets] + ([self._logp_values] if self._logp_values is not None else [])
         return sum(b.itemsize * len(b) for b in bufs)
 
+    @property
+    def rows(self) -> list[int]:  # the rows this process holds: all of them (ShardedRollout: a rank's share)
+        return list(range(len(self._prompt_index)))
+
+    def own(self, rows: Iterable[int]) -> list[int]:  # the rows of `rows` this process holds: all
+        return list(rows)
+
+
+class _ShardRows:
+    """Rows of a ShardedRollout: `[r]` for this rank's global rows r, `lengths()` for all B rows."""
+
+    def __init__(self, local: RaggedRows, position: dict[int, int], lengths: torch.Tensor):
+        self._local, self._position, self._lengths = local, position, lengths
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, r):
+        r = operator.index(r)
+        if r not in self._position:
+            if not 0 <= r < len(self._lengths):
+                raise IndexError(f"row {r} out of range for {len(self._lengths)} rows")
+            raise IndexError(f"row {r} lives on another rank than {world().rank}: use the rollout's .rows")
+        return self._local[self._position[r]]
+
+    def row(self, r) -> torch.Tensor:
+        return self._local.row(self._position[operator.index(r)])
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths.clone()
+
+    def flat(self) -> torch.Tensor:
+        """This rank's rows, in `rows` order (ascending global row)."""
+        return self._local.flat()
+
+
+class ShardedRollout:
+    """One rank's share of a rollout batch of B = P*n rows (several processes). It holds the tokens, texts and
+    engine log-probs of the rows of its own prompt groups only, addressed by their GLOBAL row index (row r
+    belongs to group r // n), and, for every row, the prompt and completion lengths and finish reasons
+    (gathered per-row scalars; token ids are never gathered).
+
+    Reads like a RolloutBatch: `prompt_ids[r]`, `completion_ids[r]`, `engine_logps[r]` for r in `rows` (another
+    rank's row raises), `.lengths()` of all rows, `texts` (this rank's rows, in `rows` order), `finish_reasons`
+    (all B rows)."""
+
+    def __init__(self, local: RolloutBatch, groups: Sequence[int], num_groups: int, n: int):
+        w = world()
+        self.rows = [g * n + j for g in groups for j in range(n)]  # this rank's global rows, ascending
+        B = num_groups * n
+        if len(local.completion_ids) != len(self.rows):
+            raise RunError(f"rank {w.rank}: the engine returned {len(local.completion_ids)} rows for "
+                           f"{len(self.rows)} ({len(groups)} groups x {n})")
+        mine = (self.rows, local.prompt_ids.lengths().tolist(), local.completion_ids.lengths().tolist(),
+                list(local.finish_reasons))
+        prompt_len, completion_len = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
+        self.finish_reasons: list[str] = [""] * B
+        groups_seen = set()
+        for rows, p_len, c_len, reasons in w.gather_objects(mine):
+            prompt_len[rows], completion_len[rows] = torch.tensor(p_len), torch.tensor(c_len)
+            for r, reason in zip(rows, reasons):
+                self.finish_reasons[r] = reason
+            groups_seen.update(r // n for r in rows)
+        if len(groups_seen) != num_groups:
+            raise RunError(f"the ranks generated {len(groups_seen)} of {num_groups} prompt groups")
+        position = {r: i for i, r in enumerate(self.rows)}
+        self.local = local
+        self.texts = local.texts  # this rank's rows, in `rows` order
+        self.prompt_ids = _ShardRows(local.prompt_ids, position, prompt_len)
+        self.completion_ids = _ShardRows(local.completion_ids, position, completion_len)
+        self.engine_logps = None if local.engine_logps is None else _ShardRows(local.engine_logps, position,
+                                                                              completion_len)
+
+    def own(self, rows: Iterable[int]) -> list[int]:
+        """The rows of `rows` this rank holds, in the given order."""
+        mine = set(self.rows)
+        return [r for r in rows if r in mine]
+
+
+def generate_rollout(engine, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
+                     seed: int, minibatches: Sequence[Sequence[int]]):
+    """n completions for each of the P prompts. World size 1: engine.generate on all of them (a RolloutBatch).
+    Several processes: each rank generates the groups that World.deal_groups gives it from the mini-batch plan
+    (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
+    w = world()
+    if not w.enabled:
+        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
+    groups = w.deal_groups(minibatches, n)
+    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed,
+                            group_ids=groups)
+    return ShardedRollout(local, groups, len(prompt_ids), n)
+
+
+def rollout_rewards(task, row_problems: Sequence[dict], rollout) -> torch.Tensor:
+    """Rewards (B,) of every row, on every rank. Several processes: each rank scores its own rows (a failure on
+    any rank stops all of them with the same line: World.agree), then the rewards are shared."""
+    w = world()
+    if not w.enabled:
+        return compute_rewards(task, row_problems, rollout.texts)
+    mine = w.agree(compute_rewards, task, [row_problems[r] for r in rollout.rows], rollout.texts)
+    full = torch.zeros(len(row_problems), dtype=mine.dtype)
+    full[rollout.rows] = mine
+    return w.share_rows(full, rollout.rows)
+
 
 class HFEngine:
     """transformers `generate` on the trainer's own model object (no weight copy: push_weights is a no-op).
@@ -1080,9 +1437,17 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 seed: int | None = None, desc: str = "generate", progress: bool = True) -> RolloutBatch:
+                 seed: int | None = None, desc: str = "generate", progress: bool = True,
+                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+        """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
+        engines with per-request seeds). Several processes: every rank must pass the same number of prompts
+        (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
         from tqdm.auto import tqdm
         from transformers import GenerationConfig
+
+        synced = world().enabled
+        if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
+            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
 
         model = self.model
         was_training = model.training
@@ -1110,7 +1475,7 @@ class HFEngine:
                     attention[i, width - len(r):] = 1
                 with autocast_context(model):
                     gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                         generation_config=config)
+                                         generation_config=config, synced_gpus=synced)
                 new_tokens = gen.sequences[:, width:].cpu()
                 if self.return_logps:
                     # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
@@ -1431,7 +1796,16 @@ def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens:
 
     Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
     log-softmax is recomputed in backward (activation checkpointing), so the (B, T, vocab) tensor is
-    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0."""
+    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0.
+    A model sharded by shard_model runs the same code as its registered FSDP forward method."""
+    sharded = getattr(model, "rlvr_completion_logps", None)
+    if sharded is not None:
+        return sharded(batch, temperature, chunk_tokens, with_entropy)
+    return _completion_logps(model, batch, temperature, chunk_tokens, with_entropy)
+
+
+def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
+                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
@@ -1470,7 +1844,12 @@ def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens:
 
 def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     """Split `rows` into micro-batches whose padded size (rows x longest) stays within `token_budget`;
-    rows are length-sorted first so that little compute goes to padding."""
+    rows are length-sorted first so that little compute goes to padding.
+
+    Several processes: every rank's FSDP forward/backward passes are collectives, so every rank must run the
+    same number of them (3 against 2 hangs). The count is agreed (MAX over ranks) and a rank with fewer splits
+    its largest micro-batches; the ranks hold equal numbers of rows (whole groups dealt evenly), so this always
+    succeeds. Splitting changes no number but float summation order."""
     order = sorted(rows, key=lambda r: lengths[r])
     out, current, longest = [], [], 0
     for r in order:
@@ -1482,7 +1861,21 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int
         longest = new_longest
     if current:
         out.append(current)
+    if world().enabled:
+        target = int(world().max(len(out)))
+        while len(out) < target:
+            big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
+            if big is None or len(out[big]) < 2:
+                raise RunError(f"rank {world().rank} has {len(rows)} rows for {target} micro-batches: the ranks' "
+                               "shares of the batch are unequal")
+            half = len(out[big]) // 2
+            out[big:big + 1] = [out[big][:half], out[big][half:]]
     return out
+
+
+def row_lengths(rollout) -> list[int]:
+    """Prompt + completion tokens of every row (all B rows; several processes: gathered lengths)."""
+    return (rollout.prompt_ids.lengths() + rollout.completion_ids.lengths()).tolist()
 
 
 @torch.no_grad()
@@ -1490,9 +1883,9 @@ def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, 
                 token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
     """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
     completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
-    T = max(1, max(len(c) for c in rollout.completion_ids))
+    T = max(1, int(rollout.completion_ids.lengths().max()))
     out = torch.zeros((len(rows), T), dtype=torch.float32)
-    lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(len(rollout.prompt_ids))]
+    lengths = row_lengths(rollout)
     position = {r: i for i, r in enumerate(rows)}
     was_training = model.training
     model.eval()
@@ -1509,11 +1902,12 @@ def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, 
 
 def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
     """(len(rows), T_max) mask of real completion tokens."""
-    rows = list(range(len(rollout.completion_ids))) if rows is None else list(rows)
-    T = max(1, max(len(rollout.completion_ids[r]) for r in rows))
+    lengths = rollout.completion_ids.lengths()  # (B,) every row (several processes: gathered)
+    rows = list(range(len(lengths))) if rows is None else list(rows)
+    T = max(1, max(int(lengths[r]) for r in rows))
     mask = torch.zeros((len(rows), T))
     for i, r in enumerate(rows):
-        mask[i, :len(rollout.completion_ids[r])] = 1
+        mask[i, :int(lengths[r])] = 1
     return mask
 
 
@@ -1543,13 +1937,17 @@ def accumulation_weight(loss_agg: str, micro_mask: torch.Tensor, minibatch_token
 def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch.Tensor) -> tuple[float, float] | None:
     """Mean and max |engine log-prob - trainer log-prob| over completion tokens of rows whose trainer
     old log-probs were computed (logged as perf/engine_logp_diff)."""
-    if rollout.engine_logps is None or not bool(ready.any()):
+    w = world()
+    if rollout.engine_logps is None or not bool(w.max(float(ready.any()))):
         return None
     diffs = []
-    for r in ready.nonzero().flatten().tolist():
+    for r in ready.nonzero().flatten().tolist():  # several processes: ready rows are this rank's own
         eng = torch.tensor(rollout.engine_logps[r], dtype=torch.float32)
         diffs.append((eng - old_logp[r, :len(eng)]).abs())
-    flat = torch.cat(diffs)
+    flat = torch.cat(diffs) if diffs else torch.zeros(0)
+    if w.enabled:  # token mean and max over every rank's rows
+        total, count = w.sum(flat.sum().item()), w.sum(float(flat.numel()))
+        return (total / count, w.max(flat.max().item() if flat.numel() else 0.0)) if count else None
     return (flat.mean().item(), flat.max().item()) if flat.numel() else None
 
 
@@ -1586,16 +1984,40 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
     """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
     # own RNG stream: the same eval samples before and after training, and training's stream is untouched
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    w, N = world(), len(task.problems)
+    # several processes: problems r, r+W, ... on rank r, padded with repeats to the same count on every rank
+    # (synced generation), the padding dropped; rewards, lengths and texts gathered, the metrics computed on all
+    mine = list(range(w.rank, math.ceil(N / w.world_size) * w.world_size, w.world_size)) if w.enabled else None
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
-            torch.manual_seed(seed)
-        rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
+            torch.manual_seed(seed + 1_000_003 * w.rank)
+        if mine is None:
+            rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
+        else:
+            rollout = engine.generate([prompts[i % N] for i in mine], n_samples, max_new_tokens, temperature,
+                                      seed=seed, desc="eval", group_ids=[i % N for i in mine])
     problems = [p for p in task.problems for _ in range(n_samples)]
-    rewards = compute_rewards(task, problems, rollout.texts)
+    if mine is None:
+        rewards = compute_rewards(task, problems, rollout.texts)
+        completion_lens = [len(c) for c in rollout.completion_ids]
+        texts = rollout.texts
+    else:
+        mine_problems = [task.problems[i % N] for i in mine for _ in range(n_samples)]
+        mine_rewards = w.agree(compute_rewards, task, mine_problems, rollout.texts).tolist()
+        mine_lens = rollout.completion_ids.lengths().tolist()
+        rewards, completion_lens, texts = [0.0] * (N * n_samples), [0] * (N * n_samples), [""] * (N * n_samples)
+        for idx, rw, ln, tx in w.gather_objects((mine, mine_rewards, mine_lens, list(rollout.texts))):
+            for k, i in enumerate(idx):
+                if i < N:  # padding repeats dropped
+                    span = slice(i * n_samples, (i + 1) * n_samples)
+                    rewards[span] = rw[k * n_samples:(k + 1) * n_samples]
+                    completion_lens[span] = ln[k * n_samples:(k + 1) * n_samples]
+                    texts[span] = tx[k * n_samples:(k + 1) * n_samples]
+        rewards = torch.tensor(rewards, dtype=torch.float32)
     correct = (rewards >= 1.0).view(len(task.problems), n_samples)
     metrics = {"eval/n_samples": n_samples, "eval/temperature": temperature, "eval/n_problems": len(task.problems),
                "eval/reward_mean": rewards.mean().item(),
-               "eval/response_len_mean": sum(len(c) for c in rollout.completion_ids) / len(rollout.completion_ids)}
+               "eval/response_len_mean": sum(completion_lens) / len(completion_lens)}
     for k in sorted(set([1, *ks])):
         if k > n_samples:
             continue
@@ -1616,7 +2038,7 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
                 **({"tier": tiers[i]} if tiers[i] is not None else {})}
                for i in range(len(task.problems)) for j in range(n_samples)]
     samples = [{"question": task.problems[i].get("question", "")[:500], "answer": task.problems[i].get("answer"),
-                "completion": rollout.texts[i * n_samples], "reward": rewards[i * n_samples].item()}
+                "completion": texts[i * n_samples], "reward": rewards[i * n_samples].item()}
                for i in range(min(4, len(task.problems)))]
     return metrics, [records, samples]
 
@@ -1682,8 +2104,12 @@ class RunLogger:
     def __init__(self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False,
                  project: str = "rlvr-reference"):
         self.run_dir = run_dir
-        os.makedirs(run_dir, exist_ok=True)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = self.wandb = None
+        self.enabled = world().is_main  # several processes: rank 0 writes every file, the other ranks none
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
         if resume_from_step is not None:
             # drop rows written after the checkpoint so the resumed run re-creates them exactly once
             for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
@@ -1705,6 +2131,8 @@ class RunLogger:
                                     resume="allow", id=os.path.basename(run_dir))
 
     def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
         row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -1720,6 +2148,8 @@ class RunLogger:
                       eval_set: str | None = None) -> None:
         """samples.jsonl (a few completions) and the per-sample correctness of one eval set:
         eval_correctness_step<step>.jsonl, or eval_correctness_step<step>_<eval_set>.jsonl in a suite."""
+        if not self.enabled:
+            return
         extra = {"eval_set": eval_set} if eval_set else {}
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
             for s in samples:
@@ -1738,17 +2168,25 @@ class RunLogger:
                        rewards: torch.Tensor, advantages: torch.Tensor, group_size: int) -> None:
         """Append one row per rollout of this step to rollouts.jsonl (--log-rollouts-every): the decoded prompt
         (chat template included), completion, gold answer, reward, advantage, length in tokens, finish reason.
-        Each distinct prompt is decoded once; one file open and one json.dumps per row."""
+        Each distinct prompt is decoded once; one file open and one json.dumps per row.
+        Several processes: every rank builds the rows it holds, rank 0 writes them all in row order."""
         rewards, advantages = rewards.detach().float().cpu().tolist(), advantages.detach().float().cpu().tolist()
-        last_ids, last_text = None, ""
+        last_ids, last_text, lines = None, "", []
+        for i, r in enumerate(rollout.rows):
+            if rollout.prompt_ids[r] != last_ids:
+                last_ids, last_text = rollout.prompt_ids[r], tokenizer.decode(rollout.prompt_ids[r])
+            lines.append((r, json.dumps({
+                "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[i],
+                "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
+                "length": len(rollout.completion_ids[r]), "finish_reason": rollout.finish_reasons[r]},
+                default=str)))
+        if world().enabled:
+            lines = sorted(line for rank_lines in world().gather_objects(lines) for line in rank_lines)
+        if not self.enabled:
+            return
         with open(os.path.join(self.run_dir, "rollouts.jsonl"), "a") as f:
-            for r, completion_ids in enumerate(rollout.completion_ids):
-                if rollout.prompt_ids[r] != last_ids:
-                    last_ids, last_text = rollout.prompt_ids[r], tokenizer.decode(rollout.prompt_ids[r])
-                f.write(json.dumps({
-                    "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[r],
-                    "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
-                    "length": len(completion_ids), "finish_reason": rollout.finish_reasons[r]}, default=str) + "\n")
+            for _, line in lines:
+                f.write(line + "\n")
 
     def close(self) -> None:
         if self.tb is not None:
@@ -1871,6 +2309,11 @@ def _check_cross(args) -> str | None:
     if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
         return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
                 f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
+    W = env_world_size()
+    if W > 1 and any(n % W for n in minibatch_group_counts(P, M)):  # whole groups, dealt evenly to the ranks
+        return (f"--prompts-per-step {P} in {M} mini-batch(es) gives {minibatch_group_counts(P, M)} prompt groups "
+                f"per mini-batch; with {W} processes each must be a multiple of {W}: use --prompts-per-step a "
+                f"multiple of {M * W}")
     if args.resume and not os.path.isdir(args.resume):
         return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
                 + "; pass a run folder or one of its checkpoints/step_N folders")
@@ -1916,11 +2359,12 @@ def validate_args(args) -> None:
 # removed by the next save or resume in that run folder.
 
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "rng", "step")
+SHARDED_OPTIMIZER_DIR = "optimizer"  # step_N/optimizer/: Distributed Checkpoint of a several-process run
 
 
 def make_run_dir(output_dir: str, run_name: str | None, exp_name: str, seed: int) -> str:
     name = run_name or f"{exp_name}__s{seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-    return os.path.join(output_dir, name)
+    return world().broadcast_object(os.path.join(output_dir, name))  # torchrun: rank 0's clock names the run
 
 
 def _rng_state() -> dict:
@@ -1960,11 +2404,20 @@ def _remove_stale_tmp(folder: str) -> None:
 
 def save_hf_folder(model, tokenizer, path: str) -> None:
     """Weights (safetensors), config, generation config, tokenizer and chat template: loadable by
-    AutoModelForCausalLM.from_pretrained and `vllm serve`. Nothing else (no optimizer state)."""
+    AutoModelForCausalLM.from_pretrained and `vllm serve`. Nothing else (no optimizer state).
+    Several processes (FSDP2): the full state dict is assembled on rank 0 (a collective: every rank calls
+    this), which writes the folder once."""
+    full_state = None
+    if world().enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not world().is_main:
+            return
     use_cache = model.config.use_cache
     model.config.use_cache = True  # training turns the KV cache off; a loaded copy should generate with it
     try:
-        model.save_pretrained(path)
+        model.save_pretrained(path, **({"state_dict": full_state} if full_state is not None else {}))
     finally:
         model.config.use_cache = use_cache
     tokenizer.save_pretrained(path)
@@ -1972,14 +2425,18 @@ def save_hf_folder(model, tokenizer, path: str) -> None:
 
 def save_final_model(run_dir: str, model, tokenizer) -> str:
     """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path."""
+    w = world()
     final = os.path.join(run_dir, "final")
-    _remove_stale_tmp(run_dir)
-    tmp = os.path.join(run_dir, f".tmp_final_{os.getpid()}")
+    if w.is_main:
+        _remove_stale_tmp(run_dir)
+    tmp = os.path.join(run_dir, f".tmp_final_{w.broadcast_object(os.getpid())}")  # rank 0's pid names it
     save_hf_folder(model, tokenizer, tmp)
-    _fsync_tree(tmp)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if w.is_main:
+        _fsync_tree(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    w.barrier()
     return final
 
 
@@ -2002,15 +2459,32 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     """Atomic: everything goes to a temporary folder that is renamed into place, then `latest` is
     replaced; a kill at any point leaves the previous checkpoint and `latest` intact. `keep_last` > 0
     removes older checkpoints so that at most that many of steps <= `step` remain."""
+    w = world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(ckpt_root, exist_ok=True)
-    _remove_stale_tmp(ckpt_root)
     final = os.path.join(ckpt_root, f"step_{step:06d}")
-    tmp = os.path.join(ckpt_root, f".tmp_step_{step:06d}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-                "step": step, **extra}, os.path.join(tmp, "trainer_state.pt"))
+    tmp = os.path.join(ckpt_root, f".tmp_step_{step:06d}_{w.broadcast_object(os.getpid())}")  # rank 0's pid
+    if w.is_main:
+        os.makedirs(ckpt_root, exist_ok=True)
+        _remove_stale_tmp(ckpt_root)
+        shutil.rmtree(tmp, ignore_errors=True)
+    w.barrier()
+    save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))  # several processes: rank 0 writes it
+    if w.enabled:  # optimizer state sharded as it is held (Distributed Checkpoint: one file per rank + metadata)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=os.path.join(tmp, SHARDED_OPTIMIZER_DIR))
+        optimizer_state = {"format": "dcp", "path": SHARDED_OPTIMIZER_DIR, "world_size": w.world_size}
+    else:
+        optimizer_state = optimizer.state_dict()
+    rng_ranks = w.gather_objects(_rng_state())  # each rank's sampling stream
+    if not w.is_main:
+        w.barrier()
+        return final
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_ranks[0],
+                "step": step, **({"rng_ranks": rng_ranks} if w.enabled else {}), **extra},
+               os.path.join(tmp, "trainer_state.pt"))
     _fsync_tree(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -2025,6 +2499,7 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
         for old in older[keep_last - 1:]:
             shutil.rmtree(old, ignore_errors=True)
+    w.barrier()  # the other ranks wait in save_checkpoint's early return
     return final
 
 
@@ -2102,6 +2577,10 @@ def read_checkpoint(ckpt: str) -> tuple[str, dict]:
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"trainer_state.pt lacks {missing[0]!r}")
+    sharded = state["optimizer"].get("format") == "dcp" if isinstance(state["optimizer"], dict) else False
+    if sharded and not os.path.isfile(os.path.join(ckpt, state["optimizer"]["path"], ".metadata")):
+        raise ValueError(f"no {state['optimizer']['path']}/.metadata (sharded optimizer state)")
+    state["checkpoint_dir"] = ckpt  # where a sharded optimizer state is read from (not saved again)
     return model_dir, state
 
 
@@ -2157,14 +2636,38 @@ def find_resume(resume: str, total_steps: int | None = None) -> tuple[str, str, 
     return run_dir, model_dir, state
 
 
-def load_trainer_state(state: dict | str, optimizer, scheduler) -> dict:
+def load_trainer_state(state: dict | str, optimizer, scheduler, model=None) -> dict:
     """Apply a trainer state (from find_resume, or read from a checkpoint folder) to the optimizer, scheduler
-    and RNGs; returns the state."""
+    and RNGs; returns the state. Any world size reads any checkpoint: a sharded optimizer state (several
+    processes) is resharded to this world by Distributed Checkpoint; a one-process state is loaded whole by
+    every rank and sharded. `model` (the trained, possibly sharded, model) is needed for both."""
     if isinstance(state, str):
         state = read_checkpoint(state)[1]
-    optimizer.load_state_dict(state["optimizer"])
+    saved, w = state["optimizer"], world()
+    if isinstance(saved, dict) and saved.get("format") == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        if model is None:
+            raise ValueError("a sharded optimizer state needs the model: load_trainer_state(..., model=model)")
+        target = get_optimizer_state_dict(model, optimizer)  # this world's layout, filled in place by dcp.load
+        dcp.load({"optimizer": target}, checkpoint_id=os.path.join(state["checkpoint_dir"], saved["path"]))
+        set_optimizer_state_dict(model, optimizer, target)
+    elif w.enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        # optimizer.state_dict() numbers parameters in param-group order; FSDP's state dicts key them by name
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        full = {"state": {order[i]: v for i, v in saved["state"].items()},
+                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(saved)
     scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    rng_ranks = state.get("rng_ranks") or [state["rng"]]
+    if w.rank < len(rng_ranks):  # a rank the saving run did not have keeps its own seeded stream
+        _set_rng_state(rng_ranks[w.rank])
     return state
 
 

@@ -236,6 +236,7 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
     common.validate_args(args)  # every common flag, before anything is loaded
+    world = common.init_world()  # torchrun: process group, one rank per device; plain python: world size 1
     common.set_cpu_threads()
     device = common.pick_device()
     args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
@@ -250,8 +251,10 @@ def main(args: Args) -> None:
     eval_tasks = common.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
                                         args.eval_limit)
     tokenizer = common.load_tokenizer(resume_ckpt or args.model)
-    model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
-    ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
+    # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
+    model = common.shard_model(common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing))
+    ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
+                 else None)
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
                      for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
@@ -265,7 +268,7 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume_ckpt:
-        state = common.load_trainer_state(resume_state, optimizer, scheduler)
+        state = common.load_trainer_state(resume_state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
@@ -299,18 +302,23 @@ def main(args: Args) -> None:
         # TRY NOT TO MODIFY: rollout
         with timers("sync"):
             engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+        # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
+        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
+                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
             prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
                                                args.system_prompt or None) for p in problems]
-            rollout = engine.generate(prompt_ids, G, args.max_new_tokens, args.temperature, seed=args.seed + step)
+            # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
+            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
+                                              args.seed + step, minibatches)
         with timers("sync"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
         with timers("reward"):
             row_problems = [p for p in problems for _ in range(G)]
-            rewards = common.compute_rewards(train_task, row_problems, rollout.texts)  # (B,)
+            rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
         # ALGO LOGIC: advantages
         advantages = compute_advantages(rewards, G, args.scale_rewards, args.focal_gamma)  # (B,) r - mean_g r [* focal]
         if args.clip_mode == "adaptive":
@@ -323,22 +331,22 @@ def main(args: Args) -> None:
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout.completion_ids)
         mask = common.completion_mask_of(rollout)  # (B, T)
-        lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(B)]
-        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+        lengths = common.row_lengths(rollout)  # (B,) prompt + completion tokens per row
         with timers("train"):
             # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
             # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
-            later_rows = [r for mb in minibatches[1:] for r in mb]
+            later_rows = rollout.own(r for mb in minibatches[1:] for r in mb)  # torchrun: this rank's rows
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
                 old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
                                                           args.micro_batch_tokens, args.logp_chunk_tokens)
                 old_ready[later_rows] = True
-            ref_logp = (common.batch_logps(ref_model, rollout, range(B), pad_id, args.temperature,
-                                           args.micro_batch_tokens, args.logp_chunk_tokens)
-                        if ref_model is not None else None)
+            ref_logp = None
+            if ref_model is not None:  # (B, T), this rank's rows filled
+                ref_logp = torch.zeros_like(mask)
+                ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
+                                                            args.micro_batch_tokens, args.logp_chunk_tokens)
         # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss with a per-rollout upper bound)
         update_rows = []
         with timers("train"):
@@ -348,7 +356,7 @@ def main(args: Args) -> None:
                         "approx_kl": 0.0, "entropy": 0.0}
                 per_c = torch.zeros(3, G + 1)  # (clipped units, units, sum |ratio - 1|) of off-policy A > 0 rows, by c
                 optimizer.zero_grad(set_to_none=True)
-                for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
+                for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
                     tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
                                           [rollout.completion_ids[r] for r in micro], pad_id)
                     logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
@@ -373,10 +381,9 @@ def main(args: Args) -> None:
                     c_sel = n_correct[micro][sel]  # (n_sel,) their c
                     for j, key in enumerate(("clipped", "units", "abs_dev")):
                         per_c[j].index_add_(0, c_sel, stats["rows"][key][sel].float())
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
-                                       "lower --learning-rate or check the data; the last checkpoint is intact")
+                sums, per_c = world.sum(sums), world.sum(per_c)  # torchrun: add the ranks' shares
+                grad_norm = common.clip_grad_norm(model, args.max_grad_norm)  # global norm (torchrun: all ranks)
+                common.check_grad_norm(grad_norm, step, update + 1)  # non-finite: RunError on every rank
                 optimizer.step()
                 scheduler.step()
                 update += 1

@@ -226,6 +226,7 @@ def main(args: Args) -> None:
     log_delta = math.log(args.veto_delta)  # trigger test in log space: log rho_it < log delta
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
     common.validate_args(args)  # every common flag, before anything is loaded
+    world = common.init_world()  # torchrun: process group, one rank per device; plain python: world size 1
     common.set_cpu_threads()
     device = common.pick_device()
     args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
@@ -240,8 +241,10 @@ def main(args: Args) -> None:
     eval_tasks = common.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
                                         args.eval_limit)
     tokenizer = common.load_tokenizer(resume_ckpt or args.model)
-    model = common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing)
-    ref_model = common.load_model(args.model, device, trainable=False) if args.beta > 0 else None
+    # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
+    model = common.shard_model(common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing))
+    ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
+                 else None)
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
                      for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
@@ -257,7 +260,7 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume_ckpt:
-        state = common.load_trainer_state(resume_state, optimizer, scheduler)
+        state = common.load_trainer_state(resume_state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
@@ -292,31 +295,34 @@ def main(args: Args) -> None:
         with timers("sync"):
             engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         wake_s = timers.step["sync"]  # engine wake incl. the weight push (sync restarts at 0 each stage)  # ALGO LOGIC
+        # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
+        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
+                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
             prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
                                                args.system_prompt or None) for p in problems]
-            rollout = engine.generate(prompt_ids, G, args.max_new_tokens, args.temperature, seed=args.seed + step)
+            # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
+            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
+                                              args.seed + step, minibatches)
         with timers("sync"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
         with timers("reward"):
             row_problems = [p for p in problems for _ in range(G)]
-            rewards = common.compute_rewards(train_task, row_problems, rollout.texts)  # (B,)
+            rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
         # ALGO LOGIC: advantages
         # A stage's rollouts: P = mu x prompts per update, B = P*G rows, generated in one go under frozen weights.
         advantages = compute_advantages(rewards, G)  # (B,) group-normalised once per stage, stored for its mu updates
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout.completion_ids)
         mask = common.completion_mask_of(rollout)  # (B, T)
-        lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in range(B)]
-        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+        lengths = common.row_lengths(rollout)  # (B,) prompt + completion tokens per row
         with timers("train"):
             # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
             # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
-            later_rows = [r for mb in minibatches[1:] for r in mb]
+            later_rows = rollout.own(r for mb in minibatches[1:] for r in mb)  # torchrun: this rank's rows
             later_rows = [] if args.behav_logp == "engine" else later_rows  # engine log-probs: no trainer pass  # ALGO LOGIC
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
@@ -324,9 +330,11 @@ def main(args: Args) -> None:
                 old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
                                                           args.micro_batch_tokens, args.logp_chunk_tokens)
                 old_ready[later_rows] = True
-            ref_logp = (common.batch_logps(ref_model, rollout, range(B), pad_id, args.temperature,
-                                           args.micro_batch_tokens, args.logp_chunk_tokens)
-                        if ref_model is not None else None)
+            ref_logp = None
+            if ref_model is not None:  # (B, T), this rank's rows filled
+                ref_logp = torch.zeros_like(mask)
+                ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
+                                                            args.micro_batch_tokens, args.logp_chunk_tokens)
         # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
         if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
             if rollout.engine_logps is None:
@@ -334,13 +342,15 @@ def main(args: Args) -> None:
             # written into old_logp's (B, T) buffer, unused with engine log-probs (no row is ready there): at paper
             # scale a second dense (B, T) fp32 tensor would be another 6.4 GB. Row-major boolean indexing of the
             # mask visits row r's len(r) real tokens in order, exactly the packed order of the flat log-probs.
-            flat = rollout.engine_logps.flat()  # (sum_r len(r),) float32
-            if flat.numel() != int(mask.sum().item()):
+            flat = rollout.engine_logps.flat()  # (sum_r len(r),) float32, rows this process holds (torchrun: its own)
+            behav_ready = torch.zeros(B, dtype=torch.bool)
+            behav_ready[rollout.rows] = True  # (B,) all rows at world size 1
+            own_tokens = mask.bool() & behav_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
+            if flat.numel() != int(own_tokens.sum().item()):
                 raise common.RunError(f"--behav-logp engine: {flat.numel()} engine log-probs for "
-                                      f"{int(mask.sum().item())} completion tokens")
+                                      f"{int(own_tokens.sum().item())} completion tokens")
             behav_logp = old_logp  # (B, T), all zeros here
-            behav_logp[mask.bool()] = flat.to(behav_logp.dtype)
-            behav_ready = torch.ones(B, dtype=torch.bool)
+            behav_logp[own_tokens] = flat.to(behav_logp.dtype)
         else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
             behav_logp, behav_ready = old_logp, old_ready  # (B, T), (B,): stored, never recomputed in the stage
         sleep_s = timers.step["sync"] - wake_s  # engine sleep of this stage (sync = wake + sleep so far)
@@ -355,7 +365,7 @@ def main(args: Args) -> None:
                         "approx_kl": 0.0, "entropy": 0.0}
                 diag = {"neg_ratio_sum": 0.0, "neg_tokens": 0.0, "vetoed_tokens": 0.0, "neg_resp": 0, "triggered_resp": 0}
                 optimizer.zero_grad(set_to_none=True)
-                for micro in common.micro_batches(mb_rows, lengths, args.micro_batch_tokens):
+                for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
                     tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
                                           [rollout.completion_ids[r] for r in micro], pad_id)
                     logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
@@ -381,10 +391,9 @@ def main(args: Args) -> None:
                     trig = veto_triggers(logp.detach(), behav, adv, micro_mask, log_delta)  # (b, T_m) bool
                     diag["neg_resp"] += int((adv < 0).sum().item())
                     diag["triggered_resp"] += int(trig.any(dim=1).sum().item())  # triggers exist only in A<0 rows
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if not torch.isfinite(grad_norm):
-                    raise common.RunError(f"non-finite gradient norm at step {step} (update {update + 1}); "
-                                       "lower --learning-rate or check the data; the last checkpoint is intact")
+                sums, diag = world.sum(sums), world.sum(diag)  # torchrun: add the ranks' shares
+                grad_norm = common.clip_grad_norm(model, args.max_grad_norm)  # global norm (torchrun: all ranks)
+                common.check_grad_norm(grad_norm, step, update + 1)  # non-finite: RunError on every rank
                 optimizer.step()
                 scheduler.step()
                 update += 1
