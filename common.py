@@ -55,8 +55,10 @@ def run_cli(main: Callable, args_cls: type) -> None:
         main(parse_args(args_cls))
         world().shutdown()
     except (UserError, RunError) as exc:
-        # an error every rank raised together (World.agree, a non-finite global norm) is printed once, by rank 0
-        if world().is_main or not getattr(exc, "on_every_rank", False):
+        # an error every rank raised together (World.agree, a non-finite global norm, a bad flag: every rank
+        # checks the same flags before the process group exists) is printed once, by rank 0
+        together = getattr(exc, "on_every_rank", False) or (isinstance(exc, UserError) and not world().enabled)
+        if os.environ.get("RANK", "0") == "0" or not together:
             print(f"error: {exc}", file=sys.stderr)
         world().shutdown()
         sys.exit(2 if isinstance(exc, UserError) else 1)
@@ -439,7 +441,8 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 def shard_model(model):
     """FSDP2 over the world: `fully_shard` on every decoder layer, then on the root (embeddings, final norm, LM
-    head). Gradients are SUMMED over ranks (divide factor 1 on every FSDP module: the setter is not recursive):
+    head). Gradients are SUMMED over ranks (divide factor 1 and sum-only comms on every FSDP module: the setters
+    are not recursive):
     each rank's loss already carries the global denominators (mini-batch tokens or rows), so the sum is the
     one-process gradient. completion_logps' path (the body + the LM head weight, not model.forward) is
     registered as an FSDP forward method. World size 1: the model unchanged."""
@@ -452,7 +455,8 @@ def shard_model(model):
         fully_shard(layer)
     fully_shard(model)
     for module in [*layers, model]:
-        module.set_gradient_divide_factor(1.0)
+        module.set_gradient_divide_factor(1.0)  # a plain SUM reduce-scatter (gloo has no PREMUL_SUM; NCCL
+        module.set_force_sum_reduction_for_comms(True)  # takes SUM zero-copy): _fsdp_collectives.py, torch 2.13
     model.rlvr_completion_logps = _completion_logps.__get__(model)
     register_fsdp_forward_method(model, "rlvr_completion_logps")
     return model
@@ -1435,13 +1439,19 @@ class HFEngine:
         self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int | None = None, desc: str = "generate", progress: bool = True,
                  group_ids: Sequence[int] | None = None) -> RolloutBatch:
         """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
         engines with per-request seeds). Several processes: every rank must pass the same number of prompts
         (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
+        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
+        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
+        with torch.no_grad() if world().enabled else torch.inference_mode():
+            return self._generate(prompt_ids, n, max_new_tokens, temperature, desc, progress)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                  desc: str, progress: bool) -> RolloutBatch:
         from tqdm.auto import tqdm
         from transformers import GenerationConfig
 
@@ -2414,6 +2424,9 @@ def save_hf_folder(model, tokenizer, path: str) -> None:
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not world().is_main:
             return
+        if getattr(model.config, "tie_word_embeddings", False):  # the tied head, a separate copy after offload:
+            head = model.get_output_embeddings()  # left out, as save_pretrained of the unsharded model does
+            full_state.pop(next(n for n, m in model.named_modules() if m is head) + ".weight", None)
     use_cache = model.config.use_cache
     model.config.use_cache = True  # training turns the KV cache off; a loaded copy should generate with it
     try:

@@ -1,0 +1,176 @@
+"""Entry point of the several-process tests (tests/test_distributed.py), run as one process (world size 1) or
+under `python -m torch.distributed.run --nproc-per-node 2` (gloo on CPU).
+
+  dist_worker.py script <method> <flags...>   run <method>.py's real main() with its flags; with
+                                              RLVR_TEST_ENGINE=scripted the rollout engine is ScriptedEngine
+  dist_worker.py update <tiny model> <out.pt> [control]
+                                              one optimizer update per loss (every loss aggregation of grpo.py,
+                                              GAPO token/sequence, Mu-GRPO with its veto, CoDaPO with its dual
+                                              clip) on a fixed batch; rank 0 saves the full gradients, the global
+                                              grad norm and the updated parameters. control: "average" (FSDP's
+                                              default averaging reduce-scatter) or "local_tokens" (per-rank
+                                              denominators) are the defects the exactness test must catch.
+"""
+from __future__ import annotations
+
+import os
+import random
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+
+
+class ScriptedEngine:
+    """Completions that depend only on (request seed, global group, sample index): never on the model or on how
+    prompts are split over ranks, so a 2-rank run and a 1-rank run train on identical rollouts. A completion is
+    0-2 letters then a digit 1-3 and EOS (the toy task's answer is 2: about a third of the rollouts are right)."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True,
+                 group_ids=None):
+        out = common.RolloutBatch([], [], [], [], None)
+        for i, ids in enumerate(prompt_ids):
+            g = group_ids[i] if group_ids is not None else i  # world size 1: prompt i is global group i
+            for j in range(n):
+                rng = random.Random(f"{seed}/{g}/{j}")
+                text = "x" * rng.randrange(0, 3) + str(rng.choice([1, 2, 3]))
+                toks = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens - 1] + [self.eos]
+                out.append_row(ids, toks, self.tokenizer.decode(toks, skip_special_tokens=True), "stop")
+        return out
+
+    def push_weights(self, model):
+        return None
+
+    def sleep(self):
+        return None
+
+    def wake(self, model=None):
+        return None
+
+
+def run_script(method: str, flags: list[str]) -> None:
+    if os.environ.get("RLVR_TEST_ENGINE") == "scripted":
+        common.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer)
+    sys.argv = [os.path.join(ROOT, f"{method}.py"), *flags]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+# ----- one update per loss ------------------------------------------------------------------------------------
+P, G, T_MAX = 4, 4, 7  # 4 prompt groups of 4 rollouts, completions of 1..7 tokens
+
+
+def fixed_batch(vocab: int) -> tuple[common.RolloutBatch, torch.Tensor, torch.Tensor]:
+    """A rollout batch of B = 16 rows with varied lengths, advantages (B,) and an old-log-prob offset (B, T_MAX):
+    old_logp = logp - offset, so ratios exp(offset) in [0.5, 2] reach every clip."""
+    rng = random.Random(0)
+    batch = common.RolloutBatch([], [], [], [], None)
+    for g in range(P):
+        prompt = [rng.randrange(3, vocab) for _ in range(3 + g)]
+        for _ in range(G):
+            completion = [rng.randrange(3, vocab) for _ in range(rng.randint(1, T_MAX))]
+            batch.append_row(prompt, completion, "", "stop")
+    gen = torch.Generator().manual_seed(0)
+    advantages = torch.randn(P * G, generator=gen)
+    offset = (torch.rand(P * G, T_MAX, generator=gen) - 0.5) * 1.4
+    return batch, advantages, offset
+
+
+def losses():
+    """(name, loss_agg for accumulation_weight, fn(logp, old, adv, mask) -> loss) for every loss under test."""
+    import codapo
+    import gapo
+    import grpo
+    import mugrpo
+
+    out = [(f"grpo_{agg}", agg, lambda lp, old, adv, m, agg=agg: grpo.compute_policy_loss(
+        lp, old, adv, m, 0.2, 0.28, agg, max_tokens=T_MAX)[0])
+        for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
+    out.append(("gapo_token", "token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(
+        lp, old, adv, m, 0.2, 0.2 + 0.1 * (adv > 0).float(), "token")[0]))
+    out.append(("gapo_sequence", "seq-mean-token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(
+        lp, old, adv, m, 0.2, 0.2 + 0.1 * (adv > 0).float(), "sequence")[0]))
+    out.append(("mugrpo", "token-mean", lambda lp, old, adv, m: mugrpo.compute_policy_loss(
+        lp, old, adv, m, 1.0, 4.0, mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"))[0]))
+    out.append(("codapo", "token-mean", lambda lp, old, adv, m: codapo.compute_policy_loss(
+        lp, old, adv, m, 0.2, 0.28, "token-mean", None, 0.0, T_MAX, 1.5)[0]))
+    return out
+
+
+def run_update(model_path: str, out_path: str, control: str = "") -> None:
+    world = common.init_world()
+    tokenizer = common.load_tokenizer(model_path)
+    full, advantages, offset = fixed_batch(len(tokenizer))
+    minibatch = list(range(P * G))  # one mini-batch: every row
+    if world.enabled:
+        groups = world.deal_groups([minibatch], G)
+        rows = [g * G + j for g in groups for j in range(G)]
+        local = common.RolloutBatch([full.prompt_ids[r] for r in rows], [full.completion_ids[r] for r in rows],
+                                    ["" for _ in rows], ["stop" for _ in rows])
+        rollout = common.ShardedRollout(local, groups, P, G)
+    else:
+        rollout = full
+    mask = common.completion_mask_of(rollout)  # (B, T) from every row's length
+    lengths = common.row_lengths(rollout)
+    results = {}
+    for name, agg, loss_fn in losses():
+        common.seed_everything(0)
+        model = common.load_model(model_path, torch.device("cpu"))
+        if control == "average" and world.enabled:  # FSDP's default: average the ranks' gradients
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+            for layer in common.decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+            model.rlvr_completion_logps = common._completion_logps.__get__(model)
+            register_fsdp_forward_method(model, "rlvr_completion_logps")
+        else:
+            model = common.shard_model(model)
+        optimizer, _ = common.make_optimizer(model, 1e-2, 0.0, 0)
+        own = rollout.own(minibatch)
+        mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
+        loss_sum = 0.0
+        for micro in common.micro_batches(own, lengths, 16):  # a small budget: several micro-batches per rank
+            tb = common.pad_batch([rollout.prompt_ids[r] for r in micro], [rollout.completion_ids[r] for r in micro],
+                                  tokenizer.pad_token_id)
+            logp, _ = common.completion_logps(model, tb, 1.0)
+            micro_mask = tb.completion_mask
+            old = (logp - offset[micro, :logp.shape[1]]).detach()
+            loss = loss_fn(logp, old, advantages[micro], micro_mask)
+            weight = common.accumulation_weight(agg, micro_mask, mb_tokens, len(micro), len(minibatch))
+            (loss * weight).backward()
+            loss_sum += loss.item() * weight
+        grad_norm = common.clip_grad_norm(model, 1e9)  # no clipping: the raw global norm
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in model.named_parameters()}
+        optimizer.step()
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in model.named_parameters()}
+        results[name] = {"loss": world.sum(loss_sum), "grad_norm": grad_norm.item(), "grads": grads, "params": params}
+    if world.is_main:
+        torch.save(results, out_path)
+    world.shutdown()
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "script":
+        run_script(sys.argv[2], sys.argv[3:])
+    elif mode == "update":
+        run_update(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
