@@ -2,7 +2,8 @@
 
 Nothing method-specific lives here: argument parsing, model/tokenizer loading (including the embedded
 default model), prompt formatting, datasets, rollout engines (vLLM colocated on GPU, transformers
-`generate` elsewhere), per-token log-probs, rewards, evaluation, logging and checkpoints.
+`generate` elsewhere), per-token log-probs, rewards, evaluation, logging, checkpoints, and running as several
+processes under torchrun (World, shard_model, ShardedRollout: docs/distributed.md).
 """
 
 from __future__ import annotations

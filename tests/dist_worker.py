@@ -104,6 +104,7 @@ def losses():
         lp, old, adv, m, 1.0, 4.0, mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"))[0]))
     out.append(("codapo", "token-mean", lambda lp, old, adv, m: codapo.compute_policy_loss(
         lp, old, adv, m, 0.2, 0.28, "token-mean", None, 0.0, T_MAX, 1.5)[0]))
+    out.append(("grpo_token-mean+checkpointing", "token-mean", out[0][2]))  # --gradient-checkpointing, sharded
     return out
 
 
@@ -125,7 +126,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     results = {}
     for name, agg, loss_fn in losses():
         common.seed_everything(0)
-        model = common.load_model(model_path, torch.device("cpu"))
+        model = common.load_model(model_path, torch.device("cpu"), gradient_checkpointing=name.endswith("checkpointing"))
         if control == "average" and world.enabled:  # FSDP's default: average the ranks' gradients
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -156,7 +157,8 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
         optimizer.step()
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in model.named_parameters()}
-        results[name] = {"loss": world.sum(loss_sum), "grad_norm": grad_norm.item(), "grads": grads, "params": params}
+        results[name] = {"loss": world.sum(loss_sum), "grad_norm": grad_norm.item(), "grads": grads, "params": params,
+                         "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if world.is_main:
         torch.save(results, out_path)
     world.shutdown()

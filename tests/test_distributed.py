@@ -72,7 +72,7 @@ def updates(toy):
 
 
 LOSSES = ["grpo_token-mean", "grpo_seq-mean-token-mean", "grpo_seq-mean-token-sum-norm", "gapo_token",
-          "gapo_sequence", "mugrpo", "codapo"]
+          "gapo_sequence", "mugrpo", "codapo", "grpo_token-mean+checkpointing"]
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -84,6 +84,10 @@ def test_one_update_two_ranks_equals_one(updates, loss):
     assert math.isclose(two["grad_norm"], one["grad_norm"], rel_tol=GRAD_REL_TOL)
     assert math.isclose(two["loss"], one["loss"], rel_tol=GRAD_REL_TOL, abs_tol=1e-9)
     assert (flat(two["params"]) - flat(one["params"])).abs().max().item() < PARAM_TOL
+    if loss.endswith("checkpointing"):  # really recomputed, and the same gradient as without recomputation
+        assert two["checkpointing"] and one["checkpointing"]
+        g0 = flat(updates["w1"]["grpo_token-mean"]["grads"])
+        assert ((g2 - g0).norm() / g0.norm()).item() < GRAD_REL_TOL
 
 
 @pytest.mark.parametrize("control", ["average", "local_tokens"])
@@ -216,9 +220,9 @@ def test_two_rank_smoke_real_engine_then_resume_in_one_process(toy, tmp_path):
     assert [r["update"] for r in r_orig] == [r["update"] for r in r_res]
 
 
-def test_two_rank_checkpoint_resumes_exactly_in_one_and_two_processes(toy, tmp_path):
+def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
     """With split-independent rollouts, a run resumed from a 2-rank checkpoint with 1 process and with 2
-    processes ends with the weights of the uninterrupted run."""
+    processes, and a one-process checkpoint resumed with 2, end with the weights of the uninterrupted run."""
     base = ["script", "grpo", *script_flags(toy, tmp_path, "full", "grpo")]
     proc = launch(base, 2, tmp_path, RLVR_TEST_ENGINE="scripted")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -237,6 +241,20 @@ def test_two_rank_checkpoint_resumes_exactly_in_one_and_two_processes(toy, tmp_p
         w_full, w_res = final_weights(tmp_path / "full"), final_weights(tmp_path / name)
         assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL, nproc
         assert_rows_close(comparable(read_rows(tmp_path / "full")), comparable(read_rows(tmp_path / name)))
+    # and a one-process checkpoint (its optimizer state saved whole) resumed by 2 ranks
+    proc = launch(["script", "grpo", *script_flags(toy, tmp_path, "full_w1", "grpo")], 1, tmp_path,
+                  RLVR_TEST_ENGINE="scripted")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(tmp_path / "full_w1", tmp_path / "w1_resumed_w2")
+    shutil.rmtree(tmp_path / "w1_resumed_w2" / "checkpoints" / "step_000002")
+    shutil.rmtree(tmp_path / "w1_resumed_w2" / "final")
+    (tmp_path / "w1_resumed_w2" / "checkpoints" / "latest").write_text("step_000001")
+    flags = script_flags(toy, tmp_path, "w1_resumed_w2", "grpo")
+    proc = launch(["script", "grpo", *flags, "--resume", str(tmp_path / "w1_resumed_w2")], 2, tmp_path,
+                  RLVR_TEST_ENGINE="scripted")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w_full, w_res = final_weights(tmp_path / "full_w1"), final_weights(tmp_path / "w1_resumed_w2")
+    assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL
 
 
 def test_error_on_one_rank_stops_both_with_one_line(toy, tmp_path):
