@@ -52,17 +52,16 @@ class RunError(Exception):
 
 def run_cli(main: Callable, args_cls: type) -> None:
     """Parse `args_cls` from the command line and run `main(args)`; user errors and OOM become one line."""
+    code = 0
     try:
         main(parse_args(args_cls))
-        world().shutdown()
     except (UserError, RunError) as exc:
         # an error every rank raised together (World.agree, a non-finite global norm, a bad flag: every rank
         # checks the same flags before the process group exists) is printed once, by rank 0
         together = getattr(exc, "on_every_rank", False) or (isinstance(exc, UserError) and not world().enabled)
         if os.environ.get("RANK", "0") == "0" or not together:
             print(f"error: {exc}", file=sys.stderr)
-        world().shutdown()
-        sys.exit(2 if isinstance(exc, UserError) else 1)
+        code = 2 if isinstance(exc, UserError) else 1
     except torch.OutOfMemoryError:
         print("error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
               "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
@@ -71,6 +70,15 @@ def run_cli(main: Callable, args_cls: type) -> None:
     except KeyboardInterrupt:
         print("interrupted; resume with --resume <run dir>", file=sys.stderr)
         sys.exit(130)
+    if world().enabled:
+        # the traceback's frames (models holding DTensors on the process group) are gone once the except block
+        # ends; collect them before the group goes, so nothing of it is torn down at interpreter exit
+        import gc
+
+        gc.collect()
+        world().shutdown()
+    if code:
+        sys.exit(code)
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):

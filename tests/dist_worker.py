@@ -161,6 +161,10 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
                          "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
     if world.is_main:
         torch.save(results, out_path)
+    del model, optimizer
+    import gc
+
+    gc.collect()  # the sharded model goes before its process group (as run_cli does)
     world.shutdown()
 
 
