@@ -1274,6 +1274,7 @@ class VLLMEngine:
                                "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
                                "in-process weight pushes are impossible")
         self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
+        self._closed = False
 
         # Qwen-style padded vocabularies: the model has rows the tokenizer cannot decode. Forbid them.
         self.num_decodable = len(tokenizer)
@@ -1309,6 +1310,8 @@ class VLLMEngine:
         """n completions per prompt. With `seed`, request i is seeded seed + k*n (its children seed + k*n + j,
         vLLM's numbering), k = group_ids[i] (the prompt's global group index) or i without group_ids: with global
         indices a group's completions do not depend on how the prompts are split over ranks."""
+        if self._closed:
+            raise RuntimeError("vLLM engine was closed")
         if self._asleep:
             # vLLM keeps its scheduler paused until every tag is awake: generate() would spin forever
             raise RuntimeError(f"vLLM engine is asleep ({sorted(self._asleep)}): call wake() before generate()")
@@ -1408,9 +1411,10 @@ class VLLMEngine:
         weights = named_weights()
         self._worker().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         if consumed != len(named):
+            took = consumed
             for _ in weights:  # keep the other ranks' gathers paired before failing
                 pass
-            raise RuntimeError(f"vLLM's reload_weights took {consumed} of {len(named)} parameters: push incomplete")
+            raise RuntimeError(f"vLLM's reload_weights took {took} of {len(named)} parameters: push incomplete")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): "
                                "cached KV from the old weights would be reused")
@@ -1436,6 +1440,19 @@ class VLLMEngine:
             self._asleep.discard("kv_cache")
             if not fully_awake:
                 raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
+
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (a second call does nothing: InprocClient.shutdown detaches its
+        finalizer, v1/engine/core_client.py 401 in 0.32 / 414 in 0.33). vLLM's shutdown ends with
+        cleanup_dist_env_and_memory (v1/engine/core.py 839 / 849), which destroys vLLM's groups AND the default
+        torch.distributed process group (distributed/parallel_state.py destroy_distributed_environment). So under
+        torchrun call it last, after the trainer's final collectives, then destroy_process_group() only if
+        torch.distributed.is_initialized(). Left to interpreter exit, the same shutdown runs after the script's
+        destroy_process_group and prints `ValueError: Invalid process group specified` (exit status still 0)."""
+        if not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
 
 
 def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int, seed: int,

@@ -5,7 +5,8 @@ What runs here: greedy tokens of vLLM = the trainer's model; sampled-token log-p
 trainer's `completion_logps` at the same temperature (T = 1.0, 0.7); a weight push after perturbing linear
 layers, norms, the tied embedding, all; wake/sleep keeps the pushed weights; seeded requests whose prompts
 overflow one scheduler step; the fake of tests/fake_vllm.py against the installed vLLM; one short run of each
-method script with --engine vllm. What a CPU run cannot show (real sleep mode, CUDA graphs, the V2 runner) is
+method script with --engine vllm; two torchrun ranks, each with an FSDP2 trainer and its own external_launcher
+engine (tests/vllm_two_ranks.py). What a CPU run cannot show (real sleep mode, CUDA graphs, the V2 runner) is
 bench/vllm_parity.py's job on a GPU.
 
 Tolerance (LOGP_TOL_MEAN / LOGP_TOL_MAX, |engine log-prob - trainer log-prob| per sampled token). Measured on
@@ -25,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -369,10 +371,15 @@ def test_two_ranks_external_launcher(real, tmp_path):
                **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "tests", "vllm_two_ranks.py"), str(tmp_path)]
+    t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    wall = time.time() - t0
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    print("two ranks:", [r["times"] | {"push_s": r["push_s"]} for r in ranks])
+    print(f"two ranks: torchrun wall {wall:.0f} s;", [r["times"] | {"push_s": r["push_s"]} for r in ranks])
+    # VLLMEngine.close() shut vLLM down while the group was alive; vLLM's shutdown destroyed the default group
+    assert [(tmp_path / f"rank{r}.closed").read_text() for r in range(2)] == ["True", "True"]
+    assert "Invalid process group" not in proc.stderr
     assert [r["groups"] for r in ranks] == [[0, 2], [1, 3]]
     assert all(r["executor"] == "ExecutorWithExternalLauncher" and r["engine_world"] == 2 for r in ranks)
 
@@ -407,7 +414,7 @@ def test_two_ranks_external_launcher(real, tmp_path):
     try:
         reference = one_process([0, 1, 2, 3])  # (a) on the original weights
         assert [list(c) for c in reference.completion_ids] == by_group("original")
-        assert one_process(None).completion_ids == reference.completion_ids  # None = today's numbering
+        assert [list(c) for c in one_process(None).completion_ids] == by_group("original")  # None: today's numbering
         changed = two.perturb(model)
         assert any("embed_tokens" in n for n in changed) and len(changed) > 20
         engine.push_weights(model)

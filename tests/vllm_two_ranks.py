@@ -120,7 +120,12 @@ def main(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    engine.close()  # vLLM's shutdown also destroys the default process group (VLLMEngine.close)
+    out_closed = not torch.distributed.is_initialized()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.closed"), "w") as f:
+        f.write(str(out_closed))
 
 
 if __name__ == "__main__":
