@@ -1245,8 +1245,9 @@ class VLLMEngine:
             #   the world group (uniproc_executor.py 199-206): every rank must construct its LLM at the same time.
             # - GPU: the worker's device is cuda:LOCAL_RANK (config/parallel.py 842 get_local_gpu_index returns
             #   local_rank unchanged for external_launcher; gpu_worker.py 449-495), the trainer's device too.
-            # - 0.33.0's ExecutorWithExternalLauncher.shutdown destroys vLLM's model-parallel groups only; the
-            #   world group and the default process group belong to the launcher (uniproc_executor.py 208-219).
+            # - 0.33.0's ExecutorWithExternalLauncher.shutdown destroys vLLM's model-parallel groups only
+            #   (uniproc_executor.py 208-219), but the engine core's shutdown then destroys the default process
+            #   group too: see close().
             missing = [v for v in ("RANK", "LOCAL_RANK") if v not in os.environ]
             if missing:
                 raise RuntimeError(f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment "
@@ -1441,7 +1442,6 @@ class VLLMEngine:
             if not fully_awake:
                 raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
 
-
     def close(self) -> None:
         """Shut vLLM's engine core down now (a second call does nothing: InprocClient.shutdown detaches its
         finalizer, v1/engine/core_client.py 401 in 0.32 / 414 in 0.33). vLLM's shutdown ends with
@@ -1467,7 +1467,12 @@ def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int
             raise UserError("--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), "
                             "or use --engine hf")
         # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
-        on_cuda = next(model.parameters()).device.type == "cuda"
+        device = next(model.parameters()).device
+        on_cuda = device.type == "cuda"
+        if on_cuda and _vllm_world()[0] > 1 and device.index != int(os.environ.get("LOCAL_RANK", "-1")):
+            # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
+            raise RuntimeError(f"trainer on {device} but vLLM would use cuda:{os.environ.get('LOCAL_RANK')} "
+                               "(LOCAL_RANK): put each rank's model on its own GPU first")
         engine = VLLMEngine(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization,
                             dtype="bfloat16" if on_cuda else "float32")
