@@ -1558,6 +1558,14 @@ _VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_
 _VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def _vllm_world() -> tuple[int, int]:
+    """(world size, rank) of an initialised torch.distributed process group, (1, 0) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def hf_param_name(name: str) -> str:
     """The HF checkpoint name of a trainer parameter: wrapper prefixes removed wherever they sit."""
     for prefix in _WRAPPER_PREFIXES:
@@ -1571,7 +1579,11 @@ class VLLMEngine:
     Life cycle per step: generate -> sleep() (level 1: weights to CPU, KV cache freed) -> train ->
     wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache).
     Where the platform has no sleep mode (the CPU build), sleep/wake keep only the engine's own asleep state
-    (generate() refuses while asleep, as on the GPU) and release no memory."""
+    (generate() refuses while asleep, as on the GPU) and release no memory.
+
+    Under torch.distributed (world size > 1, e.g. torchrun): one independent engine per rank, built by all ranks
+    together (construction runs collectives on the existing process group), each generating its own prompts;
+    push_weights is then a collective too (FSDP2 parameters are gathered with full_tensor())."""
 
     name = "vllm"
 
@@ -1597,22 +1609,57 @@ class VLLMEngine:
         if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
             cpu_scheduling = dict(enable_chunked_prefill=False,
                                   max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len))
+        self.world_size, self.rank = _vllm_world()
+        distributed = {}
+        if self.world_size > 1:
+            # vLLM's "external data parallel" layout, as read in vLLM 0.32.0 and 0.33.0 (line numbers 0.33.0):
+            # - v1/executor/abstract.py 88: "external_launcher" -> ExecutorWithExternalLauncher, a UniProcExecutor
+            #   (v1/executor/uniproc_executor.py 161): one worker in this process, so model_executor.driver_worker
+            #   .worker (line 54) and Worker.reload_weights serve the push exactly as with one process. It asserts
+            #   VLLM_ENABLE_V1_MULTIPROCESSING=0 (config/parallel.py 1050 sets it too) and takes its worker's rank
+            #   and device index from the env vars RANK and LOCAL_RANK (uniproc_executor.py 195-196).
+            # - distributed/parallel_state.py init_distributed_environment: with torch.distributed already
+            #   initialised it creates no process group (line 1928) and builds its world group over all
+            #   get_world_size() ranks (line 2012) (gloo CPU group + the platform's device group: a
+            #   collective); initialize_model_parallel lays ranks out as ExternalDP x DP x PP x PCP x TP
+            #   (parallel_state.py 2158): with TP = PP = DP = 1 each rank is its own TP group, i.e. N replicas
+            #   that generate independently. data_parallel_size stays 1: DP > 1 would make the replicas one
+            #   MoE-style DP group that must step together (llm_engine.py 82 external_launcher_dp).
+            # - ExecutorWithExternalLauncher.determine_available_memory all-reduces the KV-cache size (MIN) over
+            #   the world group (uniproc_executor.py 199-206): every rank must construct its LLM at the same time.
+            # - GPU: the worker's device is cuda:LOCAL_RANK (config/parallel.py 842 get_local_gpu_index returns
+            #   local_rank unchanged for external_launcher; gpu_worker.py 449-495), the trainer's device too.
+            # - 0.33.0's ExecutorWithExternalLauncher.shutdown destroys vLLM's model-parallel groups only
+            #   (uniproc_executor.py 208-219), but the engine core's shutdown then destroys the default process
+            #   group too: see close().
+            missing = [v for v in ("RANK", "LOCAL_RANK") if v not in os.environ]
+            if missing:
+                raise RuntimeError(f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment "
+                                   "(set by torchrun)")
+            if int(os.environ["RANK"]) != self.rank:
+                raise RuntimeError(f"env RANK={os.environ['RANK']} but torch.distributed rank is {self.rank}")
+            distributed = dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                               pipeline_parallel_size=1, data_parallel_size=1)
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
-            seed=int(seed),
+            # explicit per-rank seed (external_launcher needs one; verl PR #912): unseeded requests then differ
+            # between replicas; seeded requests carry their own seeds (generate), the same on any world size
+            seed=int(seed) + self.rank,
             gpu_memory_utilization=float(gpu_memory_utilization),
             max_model_len=self.max_model_len,
             enable_sleep_mode=self.sleep_mode,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",  # sampled-token log-prob after temperature
             **cpu_scheduling,
+            **distributed,
         )
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError("vLLM started its engine core in a separate process "
                                "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
                                "in-process weight pushes are impossible")
         self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
+        self._closed = False
 
         # Qwen-style padded vocabularies: the model has rows the tokenizer cannot decode. Forbid them.
         self.num_decodable = len(tokenizer)
@@ -1643,7 +1690,13 @@ class VLLMEngine:
         )
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 seed: int | None = None, desc: str = "generate", progress: bool = True) -> RolloutBatch:
+                 seed: int | None = None, desc: str = "generate", progress: bool = True,
+                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+        """n completions per prompt. With `seed`, request i is seeded seed + k*n (its children seed + k*n + j,
+        vLLM's numbering), k = group_ids[i] (the prompt's global group index) or i without group_ids: with global
+        indices a group's completions do not depend on how the prompts are split over ranks."""
+        if self._closed:
+            raise RuntimeError("vLLM engine was closed")
         if self._asleep:
             # vLLM keeps its scheduler paused until every tag is awake: generate() would spin forever
             raise RuntimeError(f"vLLM engine is asleep ({sorted(self._asleep)}): call wake() before generate()")
@@ -1653,13 +1706,19 @@ class VLLMEngine:
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len={self.max_model_len}")
         P = len(prompt_ids)
+        if group_ids is None:
+            index = list(range(P))
+        else:
+            index = [int(g) for g in group_ids]
+            if len(index) != P or any(g < 0 for g in index) or len(set(index)) != P:
+                raise ValueError(f"group_ids must be {P} distinct non-negative ints (one per prompt), got {group_ids}")
         if P == 0:
             return RolloutBatch([], [], [], [], [])
         if seed is None:
             params = self._sampling_params(n, max_new_tokens, temperature, None)
         else:
             # vLLM gives child j of a request seed+j: space prompts n apart so no two completions share a seed
-            params = [self._sampling_params(n, max_new_tokens, temperature, int(seed) + i * n) for i in range(P)]
+            params = [self._sampling_params(n, max_new_tokens, temperature, int(seed) + k * n) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress))
         if len(outputs) != P:
@@ -1705,14 +1764,42 @@ class VLLMEngine:
         if "weights" in self._asleep:
             raise RuntimeError("vLLM weights are asleep: wake them before pushing (writes would hit unmapped memory)")
         dtype = self.dtype
+        DTensor = None
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+        # remove_duplicate=False: a tied LM head is yielded as lm_head.weight too. On a GPU vLLM shares one
+        # tensor and loads it twice; the CPU build packs the head separately and keeps the old one otherwise.
+        named = list(model.named_parameters(remove_duplicate=False))
+        seen: dict[int, int] = {}
+        for _, param in named:
+            seen[id(param)] = seen.get(id(param), 0) + 1
+        shared: dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
+        consumed = 0
 
         def named_weights():
-            # remove_duplicate=False: a tied LM head is yielded as lm_head.weight too. On a GPU vLLM shares one
-            # tensor and loads it twice; the CPU build packs the head separately and keeps the old one otherwise.
-            for name, param in model.named_parameters(remove_duplicate=False):
-                yield hf_param_name(name), param.detach().to(dtype)
+            nonlocal consumed
+            for name, param in named:
+                consumed += 1
+                t = param.detach().to(dtype)  # cast the shard first: the gather then moves the engine's dtype
+                if DTensor is not None and isinstance(t, DTensor):
+                    # FSDP2 shard -> full tensor: a collective, so every rank runs it, in the same order (the
+                    # same model on every rank; reload_weights loads one tensor at a time, no collective of its
+                    # own with TP = 1). A tied one is gathered once and handed over under both names.
+                    if id(param) in shared:
+                        t = shared.pop(id(param))
+                    else:
+                        t = t.full_tensor()
+                        if seen[id(param)] > 1:
+                            shared[id(param)] = t
+                yield hf_param_name(name), t
 
-        self._worker().reload_weights(weights_iterator=named_weights(), is_checkpoint_format=True)
+        weights = named_weights()
+        self._worker().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        if consumed != len(named):
+            took = consumed
+            for _ in weights:  # keep the other ranks' gathers paired before failing
+                pass
+            raise RuntimeError(f"vLLM's reload_weights took {took} of {len(named)} parameters: push incomplete")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): "
                                "cached KV from the old weights would be reused")
@@ -1739,6 +1826,18 @@ class VLLMEngine:
             if not fully_awake:
                 raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
 
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (a second call does nothing: InprocClient.shutdown detaches its
+        finalizer, v1/engine/core_client.py 401 in 0.32 / 414 in 0.33). vLLM's shutdown ends with
+        cleanup_dist_env_and_memory (v1/engine/core.py 839 / 849), which destroys vLLM's groups AND the default
+        torch.distributed process group (distributed/parallel_state.py destroy_distributed_environment). So under
+        torchrun call it last, after the trainer's final collectives, then destroy_process_group() only if
+        torch.distributed.is_initialized(). Left to interpreter exit, the same shutdown runs after the script's
+        destroy_process_group and prints `ValueError: Invalid process group specified` (exit status still 0)."""
+        if not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
+
 
 def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int, seed: int,
                 gen_batch_size: int, gpu_memory_utilization: float, return_logps: bool = False):
@@ -1752,7 +1851,12 @@ def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int
             raise UserError("--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), "
                             "or use --engine hf")
         # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
-        on_cuda = next(model.parameters()).device.type == "cuda"
+        device = next(model.parameters()).device
+        on_cuda = device.type == "cuda"
+        if on_cuda and _vllm_world()[0] > 1 and device.index != int(os.environ.get("LOCAL_RANK", "-1")):
+            # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
+            raise RuntimeError(f"trainer on {device} but vLLM would use cuda:{os.environ.get('LOCAL_RANK')} "
+                               "(LOCAL_RANK): put each rank's model on its own GPU first")
         engine = VLLMEngine(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization,
                             dtype="bfloat16" if on_cuda else "float32")

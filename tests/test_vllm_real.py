@@ -5,7 +5,8 @@ What runs here: greedy tokens of vLLM = the trainer's model; sampled-token log-p
 trainer's `completion_logps` at the same temperature (T = 1.0, 0.7); a weight push after perturbing linear
 layers, norms, the tied embedding, all; wake/sleep keeps the pushed weights; seeded requests whose prompts
 overflow one scheduler step; the fake of tests/fake_vllm.py against the installed vLLM; one short run of each
-method script with --engine vllm. What a CPU run cannot show (real sleep mode, CUDA graphs, the V2 runner) is
+method script with --engine vllm; two torchrun ranks, each with an FSDP2 trainer and its own external_launcher
+engine (tests/vllm_two_ranks.py). What a CPU run cannot show (real sleep mode, CUDA graphs, the V2 runner) is
 bench/vllm_parity.py's job on a GPU.
 
 Tolerance (LOGP_TOL_MEAN / LOGP_TOL_MAX, |engine log-prob - trainer log-prob| per sampled token). Measured on
@@ -25,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -350,3 +352,80 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
         diffs = [(r["perf/engine_logp_diff"], r["perf/engine_logp_diff_max"]) for r in train]
         print(f"{method}: perf/engine_logp_diff (mean, max) per step {diffs}")
         assert all(m < LOGP_TOL_MEAN and x < LOGP_TOL_MAX for m, x in diffs)
+
+
+# --- several processes: torchrun, FSDP2 trainer, one external_launcher engine per rank ---------------------------
+
+def test_two_ranks_external_launcher(real, tmp_path):
+    """2 gloo ranks (tests/vllm_two_ranks.py): FSDP2-sharded trainer, one vLLM engine per rank built with
+    distributed_executor_backend="external_launcher", each generating its own groups (rank r: r, r + 2) with
+    group_ids. Checked: (a) the completions equal one process generating all four groups with group_ids 0..3,
+    token for token; (b) each rank's engine log-probs equal its FSDP trainer's completion_logps, on the original
+    weights and after pushing perturbed DTensor shards; (c) without the push the engine does not match the
+    perturbed trainer and samples other tokens (so the push is what changed generation); rank 1's groups under
+    the old per-call numbering (no group_ids) give other completions (so group_ids is what keeps them equal)."""
+    from tests import vllm_two_ranks as two
+
+    engine, model, tok = real["engine"], real["model"], real["tokenizer"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "vllm_two_ranks.py"), str(tmp_path)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    wall = time.time() - t0
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    print(f"two ranks: torchrun wall {wall:.0f} s;", [r["times"] | {"push_s": r["push_s"]} for r in ranks])
+    # VLLMEngine.close() shut vLLM down while the group was alive; vLLM's shutdown destroyed the default group
+    assert [(tmp_path / f"rank{r}.closed").read_text() for r in range(2)] == ["True", "True"]
+    assert "Invalid process group" not in proc.stderr
+    assert [r["groups"] for r in ranks] == [[0, 2], [1, 3]]
+    assert all(r["executor"] == "ExecutorWithExternalLauncher" and r["engine_world"] == 2 for r in ranks)
+
+    def diffs(rec):
+        d = torch.cat([(torch.tensor(e) - torch.tensor(t)).abs() for e, t in zip(rec["engine_logps"],
+                                                                                 rec["trainer_logps"])])
+        return d.mean().item(), d.max().item()
+
+    for r in ranks:  # (b) and (c), per rank
+        for phase in ("original", "pushed"):
+            mean, mx = diffs(r[phase])
+            print(f"rank {r['rank']} {phase}: engine vs FSDP trainer |diff| mean {mean:.2e} max {mx:.2e}")
+            assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
+        stale = diffs(r["stale"])[0]
+        print(f"rank {r['rank']} stale (no push): mean {stale:.2e}")
+        assert stale > WRONG_MIN
+        assert r["stale"]["completion_ids"] != r["pushed"]["completion_ids"]
+
+    def by_group(phase):  # the ranks' rows in global order: group g's N rows
+        rows = {}
+        for r in ranks:
+            for i, g in enumerate(r["groups"]):
+                rows[g] = r[phase]["completion_ids"][i * two.N:(i + 1) * two.N]
+        return [row for g in sorted(rows) for row in rows[g]]
+
+    prompts = [common.format_prompt(tok, q) for q in two.QUESTIONS]
+
+    def one_process(group_ids):
+        return engine.generate(prompts, two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED, progress=False,
+                               group_ids=group_ids)
+
+    try:
+        reference = one_process([0, 1, 2, 3])  # (a) on the original weights
+        assert [list(c) for c in reference.completion_ids] == by_group("original")
+        assert [list(c) for c in one_process(None).completion_ids] == by_group("original")  # None: today's numbering
+        changed = two.perturb(model)
+        assert any("embed_tokens" in n for n in changed) and len(changed) > 20
+        engine.push_weights(model)
+        reference = one_process([0, 1, 2, 3])  # (a) after the push
+        assert [list(c) for c in reference.completion_ids] == by_group("pushed")
+        mean, mx = logp_diff(model, reference, tok.pad_token_id, two.TEMPERATURE)
+        assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
+        local = engine.generate([prompts[1], prompts[3]], two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED,
+                                progress=False)  # rank 1's prompts numbered 0, 1: other seeds, other samples
+        assert [list(c) for c in local.completion_ids] != [list(c) for c in reference.completion_ids[2:4]] + \
+            [list(c) for c in reference.completion_ids[6:8]]
+    finally:
+        restore(model, real["original"])
+        engine.push_weights(model)
