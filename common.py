@@ -282,6 +282,7 @@ class World:
                  device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
+        self._closers: list[Callable[[], None]] = []  # run by shutdown() before the process group goes
 
     @property
     def enabled(self) -> bool:
@@ -389,9 +390,16 @@ class World:
             raise error
         return result
 
+    def at_shutdown(self, close: Callable[[], None]) -> None:
+        """Register something that must be closed while the process group still exists (a vLLM engine)."""
+        self._closers.append(close)
+
     def shutdown(self) -> None:
         import torch.distributed as td
 
+        closers, self._closers = self._closers, []
+        for close in closers:  # vLLM's shutdown destroys the default group itself (VLLMEngine.close)
+            close()
         if self.enabled and td.is_initialized():
             td.destroy_process_group()  # without it a 2-rank run sometimes aborted at exit (distributed.md)
 
@@ -1720,7 +1728,9 @@ class VLLMEngine:
             # vLLM gives child j of a request seed+j: space prompts n apart so no two completions share a seed
             params = [self._sampling_params(n, max_new_tokens, temperature, int(seed) + k * n) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress))
+        # a bar on rank 0 only: init_world disables the other ranks' tqdm bars, and vLLM divides by a disabled
+        # bar's elapsed time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
         if len(outputs) != P:
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
 
@@ -1861,6 +1871,8 @@ def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int
                             gpu_memory_utilization=gpu_memory_utilization,
                             dtype="bfloat16" if on_cuda else "float32")
         engine.wake(model)  # the trainer's weights are the truth from the first rollout on
+        if world().enabled:
+            world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
         return engine
     return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
 
