@@ -76,6 +76,8 @@ mkdir -p "$DOCS" "$PLOTS"
 # main tables + paired per-seed differences against the symmetric clip; per-c clip fraction and |ratio - 1|
 # (final values and curves over updates), overall and upper clip fraction, held-out pass@1 per tier
 for level in tok seq; do
+  # a level none of whose runs finished (ARMS= a subset) has no table
+  compgen -G "$OUT/*_${level}_s*/.done" > /dev/null || { echo "no finished ${level} runs: no table"; continue; }
   "$PYTHON" compare.py "$OUT"/*_${level}_s* --baseline sym_${level} \
     --metric 'gapo/clipfrac_c*' --metric 'gapo/ratio_absdev_c*' --metric losses/clipfrac \
     --metric losses/clipfrac_high --metric 'eval/tier*/pass@1' \

@@ -10,6 +10,13 @@
 # aim at the regime where naive reuse degrades and triggers occur. Read seed 1 first: if mugrpo/triggered_frac
 # stays 0 in relaxed_noveto, the veto arms equal it; rerun with LR=1e-4 (and say so in the write-up).
 #
+# Sampling temperature (TEMP, default 0.6 since the second run). The first run (2026-12-01, TEMP=1.0, the
+# scripts' default) measured a stage-1 training reward of 2.3% at T = 1.0: 88% of the groups had all-equal
+# rewards, so 28-30 of the 32 updates had no gradient and AdamW's momentum alone moved the policy (docs/mugrpo.md).
+# At T = 0.6 (the evaluation temperature, where the base model's pass@1 is about 0.36) most groups of 8 have
+# mixed rewards, so every update carries signal and the comparison is about stale data, not empty updates. The
+# trainer's log-probs use the same temperature (--temperature), so the ratios are those of the sampling policy.
+#
 # Budget per run: 2 stages x 16 prompts x 8 rollouts (256 rollouts, 32 updates), 32 new tokens; held-out eval
 # before and after on the first 40 arith problems x 2 samples at T = 0.6. Curves over updates: staleness,
 # losses/approx_kl (KL from the behaviour policy), triggered / vetoed fractions, neg_ratio_mean, entropy;
@@ -22,7 +29,7 @@
 # slower per step than the idle figures above): 102 s wall (1 stage: rollout 27 s, train 70 s), exit 0, compare table printed.
 #
 # Usage (from anywhere): bash docs/studies/mugrpo_study.sh
-#   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="naive relaxed_noveto ..."  LR=5e-5  MU=16  OUT=runs/study_mugrpo
+#   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="naive relaxed_noveto ..."  LR=5e-5  MU=16  TEMP=0.6  OUT=runs/study_mugrpo
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final
 # model folder of each run is deleted after the run (KEEP_MODELS=1 keeps it).
@@ -32,6 +39,7 @@ PYTHON=${PYTHON:-python}
 SEEDS=${SEEDS:-"1 2 3"}
 LR=${LR:-5e-5}
 MU=${MU:-16}
+TEMP=${TEMP:-0.6}
 OUT=${OUT:-runs/study_mugrpo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
@@ -49,7 +57,7 @@ declare -A ARM=(
 )
 ARMS=${ARMS:-"naive relaxed_noveto veto_trigger veto_suffix veto_hkappa veto_sequence"}
 C="--total-steps 2 --updates-per-batch $MU --prompts-per-step $MU --num-generations 8 --learning-rate $LR
-   --veto-delta 1e-4 --behav-logp trainer --max-new-tokens 32 --eval-limit 40 --eval-samples 2 --eval-k 2"
+   --temperature $TEMP --veto-delta 1e-4 --behav-logp trainer --max-new-tokens 32 --eval-limit 40 --eval-samples 2 --eval-k 2"
 if [ "$SMOKE" = 1 ]; then
   SEEDS=1; ARMS=${ARMS%% *}; OUT=${OUT}_smoke; C="$C --total-steps 1 --eval-limit 2"  # later flags win
 fi
