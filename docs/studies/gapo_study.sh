@@ -24,6 +24,7 @@
 #
 # Usage (from anywhere): bash docs/studies/gapo_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="gapo_tok sym_tok ..."  LR=5e-5  OUT=runs/study_gapo
+#   TAG=_lr3e-6: tables docs/studies/gapo_seq_lr3e-6.md etc. (another regime's runs, in their own OUT)
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final
 # model folder of each run is deleted after the run (KEEP_MODELS=1 keeps it): 18 x 0.5 GB otherwise.
@@ -35,6 +36,7 @@ LR=${LR:-5e-5}
 OUT=${OUT:-runs/study_gapo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
+TAG=${TAG:-}  # suffix of the table and plot names (a second regime's tables next to the first's)
 DOCS=docs/studies
 PLOTS=$DOCS/plots  # one PNG per --metric key: many files
 
@@ -81,16 +83,16 @@ for level in tok seq; do
   "$PYTHON" compare.py "$OUT"/*_${level}_s* --baseline sym_${level} \
     --metric 'gapo/clipfrac_c*' --metric 'gapo/ratio_absdev_c*' --metric losses/clipfrac \
     --metric losses/clipfrac_high --metric 'eval/tier*/pass@1' \
-    --plot-dir "$PLOTS" --plot-name gapo_${level} > "$DOCS/gapo_${level}.md"
+    --plot-dir "$PLOTS" --plot-name gapo_${level}${TAG} > "$DOCS/gapo_${level}${TAG}.md"
   # the same runs against clip-higher (GAPO's c = 1 bound equals it; does widening only there help?)
   "$PYTHON" compare.py "$OUT"/*_${level}_s* --baseline asym_${level} --no-plot \
-    > "$DOCS/gapo_${level}_vs_asym.md"
+    > "$DOCS/gapo_${level}${TAG}_vs_asym.md"
 done
 
 # the paper's per-c view, over the whole run: for each arm and c, the mean over update rows of
 # gapo/clipfrac_c{c} and gapo/ratio_absdev_c{c} (correct off-policy rollouts of groups with c correct),
 # then mean +- std over seeds; small c = the rare correct answers of hard groups
-"$PYTHON" - "$OUT" > "$DOCS/gapo_per_c.md" <<'PY'
+"$PYTHON" - "$OUT" > "$DOCS/gapo_per_c${TAG}.md" <<'PY'
 import glob, json, os, statistics, sys
 runs = {}
 for d in sorted(glob.glob(os.path.join(sys.argv[1], "*"))):
