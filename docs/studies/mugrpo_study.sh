@@ -30,6 +30,7 @@
 #
 # Usage (from anywhere): bash docs/studies/mugrpo_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="naive relaxed_noveto ..."  LR=5e-5  MU=16  TEMP=0.6  OUT=runs/study_mugrpo
+#   TAG=_lr2e-5: tables docs/studies/mugrpo_lr2e-5.md etc. (another regime's runs, in their own OUT)
 #   SMOKE=1: only the first arm, seed 1, --total-steps 1 --eval-limit 2, into $OUT_smoke; no tables.
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final
 # model folder of each run is deleted after the run (KEEP_MODELS=1 keeps it).
@@ -43,6 +44,7 @@ TEMP=${TEMP:-0.6}
 OUT=${OUT:-runs/study_mugrpo}
 LOCK=${LOCK:-/tmp/cpu.lock}
 SMOKE=${SMOKE:-0}
+TAG=${TAG:-}  # suffix of the table and plot names (a second regime's tables next to the first's)
 DOCS=docs/studies
 PLOTS=$DOCS/plots  # one PNG per --metric key: many files
 
@@ -88,8 +90,10 @@ mkdir -p "$DOCS" "$PLOTS"
   --metric mugrpo/staleness --metric losses/approx_kl --metric mugrpo/triggered_frac \
   --metric mugrpo/vetoed_token_frac --metric mugrpo/neg_ratio_mean --metric losses/entropy \
   --metric losses/clipfrac --metric rollout/response_len_mean --metric eval/response_len_mean \
-  --metric 'eval/tier*/pass@1' --plot-dir "$PLOTS" --plot-name mugrpo > "$DOCS/mugrpo.md"
+  --metric 'eval/tier*/pass@1' --plot-dir "$PLOTS" --plot-name mugrpo${TAG} > "$DOCS/mugrpo${TAG}.md"
 # the veto's own effect: every veto scope against the relaxed clip alone
 "$PYTHON" compare.py "$OUT"/* --baseline relaxed_noveto --metric losses/entropy --metric losses/approx_kl \
-  --no-plot > "$DOCS/mugrpo_vs_relaxed_noveto.md"
+  --no-plot > "$DOCS/mugrpo${TAG}_vs_relaxed_noveto.md"
+# one row per run (pass@1, updates with gradient, triggers, KL, entropy, reward per stage), then per-arm means
+"$PYTHON" docs/studies/mugrpo_runs.py "$OUT" > "$DOCS/mugrpo${TAG}_runs.md"
 echo "tables and plots in $DOCS/mugrpo*"
