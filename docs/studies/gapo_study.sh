@@ -18,6 +18,8 @@
 # samples, i.e. about 0.16 s per generated sample, 21 s of training per 64-rollout step, about 10 s load):
 # 10 s load + 40 s rollout + 90 s train + 2 x 13 s eval = about 170 s per run; 6 arms x 3 seeds = 18 runs,
 # about 50 min on an otherwise idle 2-core machine (longer when the lock is shared).
+# Measured 2026-12-01, idle machine: 234-278 s per run (rollout about 60 s, training 145 s, load and evaluations
+# 45 s), so the 18 runs take about 77 min; the token-level half about 40 min.
 #
 # SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
 # slower per step than the idle figures above): 54 s wall (1 step: rollout 14 s, train 34 s), exit 0, compare table printed.
