@@ -3,7 +3,7 @@
     python docs/studies/mugrpo_runs.py runs/study_mugrpo > docs/studies/mugrpo_runs.md
 
 Reads each finished run's args.json and metrics.jsonl (runs without the .done marker are left out). Columns:
-held-out pass@1 before -> after and pass@2 after; updates whose gradient norm was non-zero (the rest had all-equal
+held-out pass@1 before -> after and pass@k after (the largest k evaluated); updates whose gradient norm was non-zero (the rest had all-equal
 rewards in their groups); the largest clip fraction; the updates where a veto trigger occurred (rho < delta on a
 token of an A < 0 response) with the mean triggered / vetoed fractions there; KL from the behaviour policy (mean
 and max over updates); entropy of the first and last update; training reward per stage; held-out response length
