@@ -10,16 +10,17 @@ and max over updates); entropy of the first and last update; training reward per
 before -> after.
 """
 import glob
-import json
 import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from compare import load_run  # noqa: E402  (the repository's run reader: args.json + metrics.jsonl)
+
 
 def load(run_dir):
-    args = json.load(open(os.path.join(run_dir, "args.json")))
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()]
-    return args, rows
+    run = load_run(run_dir)
+    return run.args, run.rows
 
 
 def values(rows, key):
