@@ -58,6 +58,9 @@ def test_codapo_main_effects_paired_per_seed(tmp_path, capsys):
     # per run: first and last step of each rollout key, the absent incorrect-confidence key keeps the step-1 value
     assert ("| codapo_full | 1 | on | on | 0.250 (s0) / 0.600 (s2) | 0.700 | 0.00 0.20 0.40 0.60 0.80 "
             "| 0.05 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.25 | 0.10 -> 0.80 |") in out
+    # per step, mean over seeds: full has seeds 1-3 (all the same rows); step 2 has no incorrect confidence
+    assert "| codapo_full | codapo/confidence_correct_mean | 0.50 | 0.75 |" in out
+    assert "| codapo_full | codapo/confidence_incorrect_mean | 0.25 | - |" in out
     # per arm over seeds 1-3 for full: after 0.6, 0.3, 0.9 -> mean 0.600, std 0.300
     assert "| codapo_full | 3 | 0.600 +- 0.300 | 0.350 +- 0.300 |" in out
 

@@ -6,7 +6,9 @@ main effects paired per seed.
 Reads each finished run's args.json and metrics.jsonl (runs without the .done marker are left out). Per run:
 held-out pass@1 at every evaluation (before training, then every --eval-every steps), pass@k after (the largest k
 evaluated), pass@1 per difficulty tier after training, and from the steps' rollouts: training reward, confidence of
-correct / incorrect rollouts and the unweighted mean |A|, each at the first and the last step.
+correct / incorrect rollouts and the unweighted mean |A|, each at the first and the last step. Per step, mean over
+seeds: training reward, confidence of correct / incorrect rollouts, mean |A| as it enters the loss (weighted when the
+weighting is on) and unweighted, and the learnable fraction (groups with 0 < p < 1).
 
 Main effects (a 2 x 2 of --codapo-weighting and --focused-step, one run per cell and seed): the effect of the
 focused step in one seed is the mean over the two weighting settings of pass@1(focused step on) - pass@1(off), and
@@ -20,6 +22,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from compare import load_run  # noqa: E402  (the repository's run reader: args.json + metrics.jsonl)
 
+STEP_KEYS = ["rollout/reward_mean", "codapo/confidence_correct_mean", "codapo/confidence_incorrect_mean",
+             "codapo/adv_abs_mean", "codapo/adv_abs_mean_unweighted", "codapo/learnable_frac"]
 TIERS = range(5)  # arith's difficulty tiers (verifiers.py): 0 = one-digit sums ... 4 = two-digit sums
 
 
@@ -37,6 +41,7 @@ def summarise(run_dir):
     run = load_run(run_dir)
     args, rows = run.args, run.rows
     evals = [r for r in rows if "eval/pass@1" in r]
+    step_rows = [r for r in rows if "rollout/reward_mean" in r]  # each step's first update row
     if not evals:
         sys.exit(f"{run_dir}: no evaluation rows in metrics.jsonl (the study evaluates before and during training)")
     last = evals[-1]
@@ -51,6 +56,7 @@ def summarise(run_dir):
         "conf_correct": first_last(rows, "codapo/confidence_correct_mean"),
         "conf_incorrect": first_last(rows, "codapo/confidence_incorrect_mean"),
         "adv_abs": first_last(rows, "codapo/adv_abs_mean_unweighted"),
+        "per_step": {key: [r.get(key) for r in step_rows] for key in STEP_KEYS},
     }
 
 
@@ -94,6 +100,22 @@ def main(out_dir):
         print(f"| {arm} | {len(rs)} | {ms([r['pass1'][-1][1] for r in rs])} "
               f"| {ms([r['pass1'][-1][1] - r['pass1'][0][1] for r in rs])} | {ms([r['passk_after'] for r in rs])} | "
               + " | ".join(ms([r["tiers_after"][t] for r in rs]) for t in TIERS) + " |")
+
+    # the paper's dynamics per step, mean over seeds (rollout keys are on each step's first update row; a
+    # confidence class with no rollout in a step is left out of that step's mean)
+    steps = max(len(r["per_step"]["rollout/reward_mean"]) for r in runs)
+    print("\nDynamics per step, mean over seeds (from each step's rollouts):\n")
+    print("| arm | metric | " + " | ".join(f"step {i + 1}" for i in range(steps)) + " |")
+    print("|---" * (steps + 2) + "|")
+    for arm in sorted({r["arm"] for r in runs}):
+        rs = [r for r in runs if r["arm"] == arm]
+        for key in STEP_KEYS:
+            cells = []
+            for i in range(steps):
+                xs = [r["per_step"][key][i] for r in rs if i < len(r["per_step"][key])]
+                xs = [x for x in xs if x is not None]
+                cells.append(f"{statistics.mean(xs):.2f}" if xs else "-")
+            print(f"| {arm} | {key} | " + " | ".join(cells) + " |")
 
     # main effects of the 2 x 2, paired per seed: only seeds with all four cells finished
     cell = {(r["seed"], r["weighting"], r["focused"]): r["pass1"][-1][1] for r in runs}

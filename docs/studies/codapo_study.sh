@@ -78,4 +78,7 @@ mkdir -p "$DOCS" "$PLOTS"
   --metric codapo/confidence_mean --metric codapo/adv_abs_mean --metric codapo/adv_abs_mean_unweighted \
   --metric codapo/weight_mean --metric codapo/learnable_frac --metric codapo/selected \
   --plot-dir "$PLOTS" --plot-name codapo > "$DOCS/codapo.md"
+# one row per run (pass@1 at each evaluation, per tier, the dynamics at the first and last step), per-arm means,
+# and the 2 x 2's two main effects paired per seed
+"$PYTHON" docs/studies/codapo_runs.py "$OUT" > "$DOCS/codapo_runs.md"
 echo "tables and plots in $DOCS/codapo*"
