@@ -1683,6 +1683,8 @@ class VLLMEngine:
         self.num_undecodable_sampled = 0  # in the last generate() call
 
     # ------------------------------------------------------------------------------------------
+    SEED_STRIDE = 2**32  # completion seeds per generate call (see generate)
+
     def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
         return self._vllm.SamplingParams(
             n=n,
@@ -1700,9 +1702,10 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int | None = None, desc: str = "generate", progress: bool = True,
                  group_ids: Sequence[int] | None = None) -> RolloutBatch:
-        """n completions per prompt. With `seed`, request i is seeded seed + k*n (its children seed + k*n + j,
-        vLLM's numbering), k = group_ids[i] (the prompt's global group index) or i without group_ids: with global
-        indices a group's completions do not depend on how the prompts are split over ranks."""
+        """n completions per prompt. With `seed`, request i is seeded (seed mod 2^31) * 2^32 + k*n (its children
+        + j, vLLM's numbering), k = group_ids[i] (the prompt's global group index) or i without group_ids: with
+        global indices a group's completions do not depend on how the prompts are split over ranks, and calls
+        with different seeds (the scripts pass seed + step) share no completion seed."""
         if self._closed:
             raise RuntimeError("vLLM engine was closed")
         if self._asleep:
@@ -1725,8 +1728,14 @@ class VLLMEngine:
         if seed is None:
             params = self._sampling_params(n, max_new_tokens, temperature, None)
         else:
-            # vLLM gives child j of a request seed+j: space prompts n apart so no two completions share a seed
-            params = [self._sampling_params(n, max_new_tokens, temperature, int(seed) + k * n) for k in index]
+            # vLLM gives child j of a request seed+j: space prompts n apart so no two completions of a call share a
+            # seed, and calls 2^32 apart so that step s's completion (k, j) and step s+1's (k, j-1) do not (with
+            # seed + k*n they did: same random draws on two steps' prompts); < 2^63 for torch.Generator.manual_seed
+            if max(index) * n + n > self.SEED_STRIDE:
+                raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the {self.SEED_STRIDE} seeds "
+                                 "one call may use")
+            base = (int(seed) % 2**31) * self.SEED_STRIDE
+            params = [self._sampling_params(n, max_new_tokens, temperature, base + k * n) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         # a bar on rank 0 only: init_world disables the other ranks' tqdm bars, and vLLM divides by a disabled
         # bar's elapsed time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)

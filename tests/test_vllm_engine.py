@@ -149,9 +149,27 @@ def test_generate_seeds_are_distinct_per_completion(fake):
     eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=100)
     (_, payload), = calls(fake, "generate")
     sps = payload["sampling_params"]
-    assert isinstance(sps, list) and [sp.seed for sp in sps] == [100, 104, 108]
+    base = 100 * 2**32
+    assert isinstance(sps, list) and [sp.seed for sp in sps] == [base, base + 4, base + 8]
     # vLLM gives child j seed+j: all 12 completions get different seeds
     assert len({sp.seed + j for sp in sps for j in range(4)}) == 12
+
+
+def test_generate_seeds_differ_between_calls(fake):
+    """The scripts pass seed + step: step s's completion (k, j) must not reuse step s+1's seeds (with seed + k*n,
+    seed 100's (0, 1) and seed 101's (0, 0) were both 101)."""
+    eng = make_engine()
+    for seed in (100, 101, 100 + 2**31):  # 2^31 apart: the same seeds (kept below 2^63 for torch.Generator)
+        eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=seed)
+    a, b, wrapped = [{sp.seed + j for sp in p["sampling_params"] for j in range(4)} for _, p in calls(fake, "generate")]
+    assert len(a) == len(b) == 12 and not a & b
+    assert wrapped == a and max(a | b) < 2**63
+
+
+def test_generate_rejects_more_completions_than_one_call_seeds(fake):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="exceed"):
+        eng.generate([[5]], n=4, max_new_tokens=4, temperature=1.0, seed=1, group_ids=[2**30])
 
 
 def test_generate_maps_outputs_to_rollout_batch(fake):
@@ -378,9 +396,10 @@ def test_generate_group_ids_number_requests_globally(fake):
     eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100, group_ids=[1, 3])  # rank 1 of 2
     eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100)  # the old per-call numbering
     full, rank1, local = [[sp.seed for sp in p["sampling_params"]] for _, p in calls(fake, "generate")]
-    assert full == [100, 104, 108, 112]  # group_ids None: the numbering of before
-    assert rank1 == [104, 112] == [full[1], full[3]]  # a group's seeds do not depend on the split
-    assert local == [100, 104]
+    base = 100 * 2**32
+    assert full == [base, base + 4, base + 8, base + 12]  # group_ids None: the numbering of before
+    assert rank1 == [base + 4, base + 12] == [full[1], full[3]]  # a group's seeds do not depend on the split
+    assert local == [base, base + 4]
 
 
 @pytest.mark.parametrize("bad", [[0], [0, 0], [1, -1], [0, 1, 2]])
