@@ -24,6 +24,8 @@
 # CPU time estimate (docs/mugrpo.md: 256 rollouts at mu = 8 took 39 s rollout + 93 s train; docs/results.md:
 # about 0.16 s per eval sample, about 10 s load): 10 + 40 + 100 + 2 x 13 = about 175 s per run; 6 arms x 3 seeds
 # = 18 runs, about 53 min on an otherwise idle 2-core machine (longer when the lock is shared).
+# Measured 2026-12-01, idle machine, T = 0.6: 197-304 s per run, so the 18 runs take about 70 min; the 4 main
+# arms (ARMS="naive relaxed_noveto veto_hkappa veto_sequence") about 45 min.
 #
 # SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
 # slower per step than the idle figures above): 102 s wall (1 stage: rollout 27 s, train 70 s), exit 0, compare table printed.
