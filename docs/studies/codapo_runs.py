@@ -8,7 +8,7 @@ held-out pass@1 at every evaluation (before training, then every --eval-every st
 evaluated), pass@1 per difficulty tier after training, and from the steps' rollouts: training reward, confidence of
 correct / incorrect rollouts and the unweighted mean |A|, each at the first and the last step. Per step, mean over
 seeds: training reward, confidence of correct / incorrect rollouts, mean |A| as it enters the loss (weighted when the
-weighting is on) and unweighted, and the learnable fraction (groups with 0 < p < 1).
+weighting is on) and unweighted, the mean weight w, and the learnable fraction (groups with 0 < p < 1).
 
 Main effects (a 2 x 2 of --codapo-weighting and --focused-step, one run per cell and seed): the effect of the
 focused step in one seed is the mean over the two weighting settings of pass@1(focused step on) - pass@1(off), and
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from compare import load_run  # noqa: E402  (the repository's run reader: args.json + metrics.jsonl)
 
 STEP_KEYS = ["rollout/reward_mean", "codapo/confidence_correct_mean", "codapo/confidence_incorrect_mean",
-             "codapo/adv_abs_mean", "codapo/adv_abs_mean_unweighted", "codapo/learnable_frac"]
+             "codapo/adv_abs_mean", "codapo/adv_abs_mean_unweighted", "codapo/weight_mean", "codapo/learnable_frac"]
 TIERS = range(5)  # arith's difficulty tiers (verifiers.py): 0 = one-digit sums ... 4 = two-digit sums
 
 

@@ -16,7 +16,7 @@
 # 12 steps = rollout 117 s + train 245 s, so half of that here; about 0.16 s per eval sample; about 10 s load):
 # 10 + 60 + 125 + 3 x 20 = about 255 s per run; 4 arms x 3 seeds = 12 runs, about 51 min on an otherwise idle
 # 2-core machine (longer when the lock is shared). Measured 2026-12-01, idle machine: 363-437 s per run (rollout
-# 80-90 s, training 200-220 s, 3 evaluations 85-100 s), so the 12 runs take about 80 min; one switch at a time
+# 80-101 s, training 199-230 s, load and 3 evaluations 84-108 s), so the 12 runs take about 80 min; one switch at a time
 # (ARMS="full nofocus": the focused step with the weighting on) about 40 min.
 #
 # SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x

@@ -12,7 +12,7 @@
 #
 # Sampling temperature (TEMP, default 0.6 since the second run). The first run (2026-12-01, TEMP=1.0, the
 # scripts' default) measured a stage-1 training reward of 2.3% at T = 1.0: 88% of the groups had all-equal
-# rewards, so 28-30 of the 32 updates had no gradient and AdamW's momentum alone moved the policy (docs/mugrpo.md).
+# rewards, so 27-30 of the 32 updates had no gradient and AdamW's momentum alone moved the policy (docs/mugrpo.md).
 # At T = 0.6 (the evaluation temperature, where the base model's pass@1 is about 0.36) most groups of 8 have
 # mixed rewards, so every update carries signal and the comparison is about stale data, not empty updates. The
 # trainer's log-probs use the same temperature (--temperature), so the ratios are those of the sampling policy.
