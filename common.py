@@ -1683,7 +1683,16 @@ class VLLMEngine:
         self.num_undecodable_sampled = 0  # in the last generate() call
 
     # ------------------------------------------------------------------------------------------
-    SEED_STRIDE = 2**32  # completion seeds per generate call (see generate)
+    @staticmethod
+    def request_seed_base(seed: int) -> int:
+        """A 32-bit base for the request seeds of one generate call: splitmix64 of `seed`, top 32 bits. Only the
+        low 32 bits of a seed count on CPU (torch's mt19937 CPU generator is seeded with a uint32), so calls with
+        seeds seed, seed + 1, ... (the scripts pass seed + step) get unrelated bases instead of seed*2^32-style
+        offsets that a CPU generator would all truncate to the same value."""
+        z = (int(seed) + 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        return (z ^ (z >> 31)) >> 32
 
     def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
         return self._vllm.SamplingParams(
@@ -1702,10 +1711,11 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
                  seed: int | None = None, desc: str = "generate", progress: bool = True,
                  group_ids: Sequence[int] | None = None) -> RolloutBatch:
-        """n completions per prompt. With `seed`, request i is seeded (seed mod 2^31) * 2^32 + k*n (its children
-        + j, vLLM's numbering), k = group_ids[i] (the prompt's global group index) or i without group_ids: with
-        global indices a group's completions do not depend on how the prompts are split over ranks, and calls
-        with different seeds (the scripts pass seed + step) share no completion seed."""
+        """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
+        numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
+        group_ids: with global indices a group's completions do not depend on how the prompts are split over
+        ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges (before,
+        seed + k*n made step s's completion (k, j) and step s+1's (k, j-1) share a seed)."""
         if self._closed:
             raise RuntimeError("vLLM engine was closed")
         if self._asleep:
@@ -1729,13 +1739,11 @@ class VLLMEngine:
             params = self._sampling_params(n, max_new_tokens, temperature, None)
         else:
             # vLLM gives child j of a request seed+j: space prompts n apart so no two completions of a call share a
-            # seed, and calls 2^32 apart so that step s's completion (k, j) and step s+1's (k, j-1) do not (with
-            # seed + k*n they did: same random draws on two steps' prompts); < 2^63 for torch.Generator.manual_seed
-            if max(index) * n + n > self.SEED_STRIDE:
-                raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the {self.SEED_STRIDE} seeds "
-                                 "one call may use")
-            base = (int(seed) % 2**31) * self.SEED_STRIDE
-            params = [self._sampling_params(n, max_new_tokens, temperature, base + k * n) for k in index]
+            # seed (within the 2^32 seeds a CPU generator distinguishes); the base differs call to call
+            if (max(index) + 1) * n > 2**32:
+                raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the 2^32 seeds one call may use")
+            base = self.request_seed_base(seed)
+            params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         # a bar on rank 0 only: init_world disables the other ranks' tqdm bars, and vLLM divides by a disabled
         # bar's elapsed time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)

@@ -144,26 +144,36 @@ def test_generate_builds_prompts_and_sampling_params(fake):
     assert bias == {i: float("-inf") for i in range(VOCAB - 4, VOCAB)}  # ids the tokenizer cannot decode
 
 
+def completion_seeds(request_seeds, n):
+    """Every completion's seed as a CPU generator sees it: vLLM seeds child j with request seed + j, and torch's
+    CPU generator keeps the low 32 bits."""
+    return [(s + j) % 2**32 for s in request_seeds for j in range(n)]
+
+
 def test_generate_seeds_are_distinct_per_completion(fake):
     eng = make_engine()
     eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=100)
     (_, payload), = calls(fake, "generate")
     sps = payload["sampling_params"]
-    base = 100 * 2**32
-    assert isinstance(sps, list) and [sp.seed for sp in sps] == [base, base + 4, base + 8]
-    # vLLM gives child j seed+j: all 12 completions get different seeds
-    assert len({sp.seed + j for sp in sps for j in range(4)}) == 12
+    seeds = [sp.seed for sp in sps]
+    assert isinstance(sps, list) and all(0 <= s < 2**32 for s in seeds)
+    assert [(s - seeds[0]) % 2**32 for s in seeds] == [0, 4, 8]  # requests spaced n apart
+    assert len(set(completion_seeds(seeds, 4))) == 12  # all 12 completions get different seeds
 
 
 def test_generate_seeds_differ_between_calls(fake):
-    """The scripts pass seed + step: step s's completion (k, j) must not reuse step s+1's seeds (with seed + k*n,
-    seed 100's (0, 1) and seed 101's (0, 0) were both 101)."""
+    """The scripts pass seed + step: two steps must not share completion seeds (with seed + k*n, seed 100's
+    completion (0, 1) and seed 101's (0, 0) were both 101; with seed * 2^32 + k*n every step would have had the
+    same low 32 bits, all a CPU generator uses)."""
     eng = make_engine()
-    for seed in (100, 101, 100 + 2**31):  # 2^31 apart: the same seeds (kept below 2^63 for torch.Generator)
+    for seed in range(200):
         eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=seed)
-    a, b, wrapped = [{sp.seed + j for sp in p["sampling_params"] for j in range(4)} for _, p in calls(fake, "generate")]
-    assert len(a) == len(b) == 12 and not a & b
-    assert wrapped == a and max(a | b) < 2**63
+    eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=7)
+    per_call = [completion_seeds([sp.seed for sp in p["sampling_params"]], 4) for _, p in calls(fake, "generate")]
+    assert per_call[-1] == per_call[7]  # the same seed gives the same seeds
+    for a, b in zip(per_call[:199], per_call[1:200]):  # consecutive steps
+        assert not set(a) & set(b)
+    assert len(set().union(*map(set, per_call[:200]))) == 200 * 12  # no two of the 200 calls share one here
 
 
 def test_generate_rejects_more_completions_than_one_call_seeds(fake):
@@ -396,10 +406,9 @@ def test_generate_group_ids_number_requests_globally(fake):
     eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100, group_ids=[1, 3])  # rank 1 of 2
     eng.generate([[6], [8]], n=4, max_new_tokens=4, temperature=1.0, seed=100)  # the old per-call numbering
     full, rank1, local = [[sp.seed for sp in p["sampling_params"]] for _, p in calls(fake, "generate")]
-    base = 100 * 2**32
-    assert full == [base, base + 4, base + 8, base + 12]  # group_ids None: the numbering of before
-    assert rank1 == [base + 4, base + 12] == [full[1], full[3]]  # a group's seeds do not depend on the split
-    assert local == [base, base + 4]
+    assert [(s - full[0]) % 2**32 for s in full] == [0, 4, 8, 12]  # group_ids None: prompts numbered in order
+    assert rank1 == [full[1], full[3]]  # a group's seeds do not depend on the split
+    assert local == full[:2]
 
 
 @pytest.mark.parametrize("bad", [[0], [0, 0], [1, -1], [0, 1, 2]])
