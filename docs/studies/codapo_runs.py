@@ -65,6 +65,10 @@ def signed(x):
     return f"{round(x, 3) or 0.0:+.3f}"
 
 
+def arrow(pair, digits=2):
+    return f"{fmt(pair[0], digits)} -> {fmt(pair[1], digits)}"
+
+
 def ms(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -85,7 +89,6 @@ def main(out_dir):
     print("|---" * 11 + "|")
     for r in runs:
         evals = " / ".join(f"{fmt(p)} (s{s})" for s, p in r["pass1"])
-        arrow = lambda pair, d=2: f"{fmt(pair[0], d)} -> {fmt(pair[1], d)}"  # noqa: E731
         print(f"| {r['arm']} | {r['seed']} | {'on' if r['weighting'] else 'off'} | {'on' if r['focused'] else 'off'} "
               f"| {evals} | {fmt(r['passk_after'])} | {' '.join(fmt(v, 2) for v in r['tiers_after'])} "
               f"| {arrow(r['reward'])} | {arrow(r['conf_correct'])} | {arrow(r['conf_incorrect'])} "

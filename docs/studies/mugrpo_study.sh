@@ -13,8 +13,9 @@
 # Sampling temperature (TEMP, default 0.6 since the second run). The first run (2026-12-01, TEMP=1.0, the
 # scripts' default) measured a stage-1 training reward of 2.3% at T = 1.0: 88% of the groups had all-equal
 # rewards, so 27-30 of the 32 updates had no gradient and AdamW's momentum alone moved the policy (docs/mugrpo.md).
-# At T = 0.6 (the evaluation temperature, where the base model's pass@1 is about 0.36) most groups of 8 have
-# mixed rewards, so every update carries signal and the comparison is about stale data, not empty updates. The
+# At T = 0.6 (the evaluation temperature, where the base model's pass@1 is about 0.36) 38-56% of the stage-1
+# groups of 8 have mixed rewards (measured in the 3 seeds), so 7-21 of the 32 updates carry a gradient instead of
+# 2-5, and the comparison is about stale data more than about empty updates. The
 # trainer's log-probs use the same temperature (--temperature), so the ratios are those of the sampling policy.
 #
 # Budget per run: 2 stages x 16 prompts x 8 rollouts (256 rollouts, 32 updates), 32 new tokens; held-out eval
@@ -25,7 +26,7 @@
 # about 0.16 s per eval sample, about 10 s load): 10 + 40 + 100 + 2 x 13 = about 175 s per run; 6 arms x 3 seeds
 # = 18 runs, about 53 min on an otherwise idle 2-core machine (longer when the lock is shared).
 # Measured 2026-12-01, idle machine, T = 0.6: 197-304 s per run, so the 18 runs take about 70 min; the 4 main
-# arms (ARMS="naive relaxed_noveto veto_hkappa veto_sequence") about 45 min.
+# arms (ARMS="naive relaxed_noveto veto_hkappa veto_sequence") about 48 min.
 #
 # SMOKE=1 checked 2026-12-01 on the 2 cores while another session's CI shared them (so about 1.5-2x
 # slower per step than the idle figures above): 102 s wall (1 stage: rollout 27 s, train 70 s), exit 0, compare table printed.
