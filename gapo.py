@@ -48,86 +48,41 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 
 import common
+import verifiers
 from common import arg
 
 
 @dataclass
-class Args:
-    # common arguments (identical in grpo.py, gapo.py, mugrpo.py, codapo.py)
+class Args(common.Args):  # the common flags (common.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
-    model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
-    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
-    eval_dataset: list[str] = arg([], "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
-                                      "several: eval/<set>/pass@k each, eval/pass@k = the first set")
-    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
-    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
-    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
-                              "or your own fn(completion, problem) -> float as module:function or path.py:function")
-    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
-    engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
-    seed: int = arg(1, "random seed")
-    total_steps: int = arg(12, "number of steps (rollout batches)")
-    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
-    num_generations: int = arg(8, "rollouts per prompt (G)")
-    max_new_tokens: int = arg(32, "maximum completion length")
-    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
-    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
-    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
-    micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
-                                     "0: 1024 on CPU, 16384 on a GPU")
-    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
-    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
-    gradient_checkpointing: bool = arg(False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)")
-    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
-    eval_samples: int = arg(4, "samples per evaluation problem (n)")
-    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
-    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
-    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
-    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
-    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
-    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
-    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
-    output_dir: str = arg("runs", "parent folder of run folders")
-    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
-    track: bool = arg(False, "log to Weights & Biases")
-    wandb_project: str = arg("rlvr-reference", "W&B project")
-    log_rollouts_every: int = arg(0, "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
-                                     "finish reason) to <run>/rollouts.jsonl (0: off)")
-    config: str = arg("", "replay a run: its args.json (or a YAML file); flags on the command line override it")
     # GAPO specific arguments
-    clip_mode: str = arg("adaptive", "adaptive: GAPO eq. 11 upper bound per correct rollout; fixed: 1 + --clip-high-max "
-                         "for every rollout (clip-higher baseline; symmetric with --clip-high-max = --clip-low)",
-                         choices=["adaptive", "fixed"])
-    clip_level: str = arg("token", "token: PPO/GRPO per-token ratio, token-mean; sequence: GSPO sequence ratio "
-                          "(paper's main variant, use ~1e-3-scale bounds), mean over sequences",
-                          choices=["token", "sequence"])
+    clip_mode: Literal["adaptive", "fixed"] = arg(
+        "adaptive", "adaptive: GAPO eq. 11 upper bound per correct rollout; fixed: 1 + --clip-high-max for every "
+        "rollout (clip-higher baseline; symmetric with --clip-high-max = --clip-low)")
+    clip_level: Literal["token", "sequence"] = arg(
+        "token", "token: PPO/GRPO per-token ratio, token-mean; sequence: GSPO sequence ratio (paper's main variant, use "
+        "~1e-3-scale bounds), mean over sequences")
     clip_low: float = arg(0.2, "eps_low: lower bound 1 - eps_low for every rollout; adaptive mode: also the upper "
                           "bound of incorrect rollouts (paper: 0.2 token level, 3e-3 sequence level)")
     clip_high_max: float = arg(0.28, "eps_high_max: upper bound of a correct rollout with c = 1 (eq. 11); with "
                                "--clip-mode fixed, every rollout's upper bound (paper: 0.28 token, 5e-3 sequence)")
     focal_gamma: float = arg(0.0, "focal advantage shaping A <- (1 - c/k)^gamma * A (F-GRPO/F-GSPO baseline, "
                              "arXiv:2602.06717); 0: off")
-    scale_rewards: str = arg("none", "advantage scale: none (A = r - mean, GAPO/Dr. GRPO) or group (divide by group "
-                             "std + 1e-4, GRPO)", choices=["none", "group"])
-
-    def __post_init__(self):
-        if not 0.0 <= self.clip_low < 1.0 or not 0.0 <= self.clip_high_max < math.inf:
-            raise common.UserError("--clip-low must be in [0, 1) and --clip-high-max >= 0")
-        if self.clip_mode == "adaptive" and self.clip_high_max < self.clip_low:
-            raise common.UserError("--clip-high-max must be >= --clip-low with --clip-mode adaptive (eq. 11 "
-                                   "interpolates between them)")
-        if self.focal_gamma < 0.0:
-            raise common.UserError("--focal-gamma must be >= 0")
+    scale_rewards: Literal["none", "group"] = arg(
+        "none", "advantage scale: none (A = r - mean, GAPO/Dr. GRPO) or group (divide by group std + 1e-4, GRPO)")
+    checks = (  # (flag, test of its value, what it must be): checked with the common flags, before anything loads
+        ("clip_low", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+        ("clip_high_max", lambda v: 0.0 <= v < math.inf, "must be finite and >= 0"),
+        ("clip_high_max", lambda v, args: args.clip_mode == "fixed" or v >= args.clip_low,
+         "must be >= --clip-low with --clip-mode adaptive (eq. 11 interpolates between them)"),
+        ("focal_gamma", lambda v: v >= 0.0, "must be >= 0"),
+    )
 
 
 # ALGO LOGIC: advantages
@@ -148,7 +103,7 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str = "non
 
 
 # ALGO LOGIC: policy loss
-def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                         eps_low: float = 0.2, eps_high: float | torch.Tensor = 0.28, level: str = "token",
                         ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate with a per-rollout upper bound. logp, old_logp, ref_logp, mask: (B, T); advantages (B,);
@@ -235,55 +190,52 @@ def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
-    common.validate_args(args)  # every common flag, before anything is loaded
-    world = common.init_world()  # torchrun: process group, one rank per device; plain python: world size 1
-    common.set_cpu_threads()
-    device = common.pick_device()
-    args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
+    world, device = common.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
     # checkpoint (HF folder + trainer state) read and checked before the model loads
-    resume_dir, resume_ckpt, resume_state = (common.find_resume(args.resume, None if args.eval_only else args.total_steps)
-                                             if args.resume else (None, None, None))
-    run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
-    common.seed_everything(args.seed)
+    resume = common.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
+    run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    model_path = resume.model_dir if resume else args.model
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
-                                                                 reward=args.reward)
-    eval_tasks = common.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
-                                        args.eval_limit)
-    tokenizer = common.load_tokenizer(resume_ckpt or args.model)
+    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                    reward=args.reward)
+    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
+                                           args.eval_limit)
+    tokenizer = common.load_tokenizer(model_path)
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing))
+    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
     ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
                  else None)
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
                      for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
-    train_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
-    engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
-                                train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
-                                args.gpu_memory_utilization)
-    timers = common.Timers(["rollout", "reward", "train", "sync", "eval"])
+    # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
+    max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
+    engine = common.make_engine(args.engine, model, tokenizer, model_path=model_path,
+                                max_model_len=max_prompt_len + args.max_new_tokens, seed=args.seed,
+                                gen_batch_size=args.gen_batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                                return_logps=False)
+    timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
-    if resume_ckpt:
-        state = common.load_trainer_state(resume_state, optimizer, scheduler, model)
+    if resume:
+        state = common.load_trainer_state(resume.state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
-        print(f"resumed {run_dir} from {resume_ckpt} (step {start_step})")
-    logger = common.RunLogger(run_dir, args, start_step if resume_ckpt else None, args.track, args.wandb_project)
+        print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
+    logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model)
             metrics, per_set = common.evaluate_sets(
-                engine, tokenizer, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature,
-                args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
+                engine, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature, args.max_new_tokens,
+                args.eval_k, seed=common.eval_seed(args.seed))
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        logger.write_eval(step, per_set)
+        common.write_eval(logger, step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
         return metrics
 
@@ -300,11 +252,11 @@ def main(args: Args) -> None:
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
-        with timers("sync"):
-            engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+        with timers("wake"):
+            engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
         minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+                                                        common.minibatch_generator(args.seed, step))
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
@@ -313,7 +265,7 @@ def main(args: Args) -> None:
             # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
             rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
                                               args.seed + step, minibatches)
-        with timers("sync"):
+        with timers("sleep"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
         with timers("reward"):
@@ -329,7 +281,7 @@ def main(args: Args) -> None:
         positive = advantages > 0  # (B,) correct rollouts of mixed groups: the ones eq. 11 widens
         loss_agg = "token-mean" if args.clip_level == "token" else "seq-mean-token-mean"  # for accumulation weights
         # TRY NOT TO MODIFY: old log-probs
-        B = len(rollout.completion_ids)
+        B = len(rollout)
         mask = common.completion_mask_of(rollout)  # (B, T)
         lengths = common.row_lengths(rollout)  # (B,) prompt + completion tokens per row
         with timers("train"):
@@ -348,7 +300,7 @@ def main(args: Args) -> None:
                 ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
                                                             args.micro_batch_tokens, args.logp_chunk_tokens)
         # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss with a per-rollout upper bound)
-        update_rows = []
+        update_metrics = []  # one dict per optimizer update
         with timers("train"):
             for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
@@ -357,8 +309,7 @@ def main(args: Args) -> None:
                 per_c = torch.zeros(3, G + 1)  # (clipped units, units, sum |ratio - 1|) of off-policy A > 0 rows, by c
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
-                    tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
-                                          [rollout.completion_ids[r] for r in micro], pad_id)
+                    tb = common.rows_batch(rollout, micro, pad_id)  # (b, L) [left-padded prompt | completion]
                     logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
                     T_m = logp.shape[1]
                     micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
@@ -366,8 +317,8 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
-                                                      args.clip_low, eps_high[micro].to(logp.device), args.clip_level,
-                                                      ref, args.beta)
+                                                      eps_low=args.clip_low, eps_high=eps_high[micro].to(logp.device),
+                                                      level=args.clip_level, ref_logp=ref, beta=args.beta)
                     weight = common.accumulation_weight(loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()
                     n_tok = micro_mask.sum().item()
@@ -387,41 +338,41 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 update += 1
-                row = {f"losses/{k}": v for k, v in sums.items()} | {
+                metrics = {f"losses/{k}": v for k, v in sums.items()} | {
                     "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
                     "update": update}
                 for c in range(G + 1):  # per-c diagnostics (the paper's plots); only c values present off-policy
                     if per_c[1, c] > 0:
-                        row[f"gapo/clipfrac_c{c}"] = (per_c[0, c] / per_c[1, c]).item()
-                        row[f"gapo/ratio_absdev_c{c}"] = (per_c[2, c] / per_c[1, c]).item()  # mean |ratio - 1|
-                update_rows.append(row)
-        update_rows[0] |= {"gapo/pos_adv_frac": positive.float().mean().item(),  # share of rollouts with A > 0
-                           "gapo/eps_high_pos_mean": eps_high[positive].mean().item() if positive.any() else 0.0}
-        # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint
+                        metrics[f"gapo/clipfrac_c{c}"] = (per_c[0, c] / per_c[1, c]).item()
+                        metrics[f"gapo/ratio_absdev_c{c}"] = (per_c[2, c] / per_c[1, c]).item()  # mean |ratio - 1|
+                update_metrics.append(metrics)
+        update_metrics[0] |= {"gapo/pos_adv_frac": positive.float().mean().item(),  # share of rollouts with A > 0
+                              "gapo/eps_high_pos_mean": eps_high[positive].mean().item() if positive.any() else 0.0}
+        # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
-        rollout_row = {
+        rollout_metrics = {
             "rollout/reward_mean": rewards.mean().item(),
             "rollout/reward_std": rewards.std().item() if B > 1 else 0.0,
             "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
             "rollout/response_len_mean": n_completion_tokens / B,
             "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
             "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
-            "perf/sync_s": timers.step["sync"], "perf/reward_s": timers.step["reward"],
+            "perf/sync_s": timers.step["wake"] + timers.step["sleep"], "perf/wake_s": timers.step["wake"],
+            "perf/sleep_s": timers.step["sleep"], "perf/reward_s": timers.step["reward"],
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
         engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
         if engine_diff is not None:
-            rollout_row["perf/engine_logp_diff"], rollout_row["perf/engine_logp_diff_max"] = engine_diff
-        for i, row in enumerate(update_rows):
-            logger.log({"step": step, **row, "wall_s": time.time() - t_start, **(rollout_row if i == 0 else {})})
-        line_row = {**rollout_row, **update_rows[-1]}
-        tqdm.write(common.console_line(step, args.total_steps, line_row, [
+            rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
+        for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
+            logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
+        tqdm.write(common.console_line(step, args.total_steps, {**rollout_metrics, **update_metrics[-1]}, [
             "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
             "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            logger.write_rollouts(step, tokenizer, rollout, row_problems, rewards, advantages, G)
+            common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)

@@ -24,10 +24,10 @@ Objective per update (mini-batch b of the stage, rho_it = pi_theta(o_it | q, o_i
     keep_it = 0  iff  A_i < 0 and t in H_kappa_i = {t > kappa_i : log rho_it >= log delta}   (scope suffix_nontrigger)
 
 Readings (ours): delta = 1e-4 (--veto-delta; the project page's example); the pre-veto denominator; unbiased group
-std; 64 prompts per update in the paper-scale line. Where mugrpo.md is silent we chose: keep = 0 on padding (keep is a
+std; 64 prompts per update in the paper-scale line. Where the paper is silent we chose: keep = 0 on padding (keep is a
 subset of mask); mugrpo/vetoed_token_frac is over all completion tokens of the mini-batch; --prompts-per-step must
-be a multiple of --updates-per-batch; engine wake (incl. the weight push) and sleep are timed separately inside
-perf/sync_s as perf/wake_s and perf/sleep_s.
+be a multiple of --updates-per-batch. The engine switch of a stage is perf/sync_s = perf/wake_s (incl. the weight
+push) + perf/sleep_s, as in every script.
 Host memory of a paper-scale stage (B = 524288 rollouts, T = 3072; docs/mugrpo.md, bench/rollout_memory.py): the
 packed rollouts take ~8.4 bytes per completion token (4.4 GB at a mean of ~1000 tokens, 13.2 GB if all are 3072;
 lists of Python ints and floats took 38 / 117 GB), the texts ~4 bytes per token; the shared blocks' dense fp32
@@ -50,75 +50,42 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 
 import common
+import verifiers
 from common import arg
 
 
 @dataclass
-class Args:
-    # common arguments (identical in grpo.py, gapo.py, mugrpo.py, codapo.py)
+class Args(common.Args):  # the common flags (common.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
-    model: str = arg(common.EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
-    dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
-    eval_dataset: list[str] = arg([], "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
-                                      "several: eval/<set>/pass@k each, eval/pass@k = the first set")
-    question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
-    answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
-    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
-                              "or your own fn(completion, problem) -> float as module:function or path.py:function")
-    system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
-    engine: str = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
-    seed: int = arg(1, "random seed")
-    total_steps: int = arg(12, "number of steps (rollout batches)")
-    prompts_per_step: int = arg(8, "prompts per rollout batch (P)")
-    num_generations: int = arg(8, "rollouts per prompt (G)")
-    max_new_tokens: int = arg(32, "maximum completion length")
-    temperature: float = arg(1.0, "sampling temperature (trainer log-probs use the same)")
-    learning_rate: float = arg(1e-5, "AdamW learning rate (constant after warm-up)")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
-    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
-    micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
-                                     "0: 1024 on CPU, 16384 on a GPU")
-    logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
-    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
-    gradient_checkpointing: bool = arg(False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)")
-    eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
-    eval_samples: int = arg(4, "samples per evaluation problem (n)")
-    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
-    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
-    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
-    eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
-    save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
-    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
-    resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
-    output_dir: str = arg("runs", "parent folder of run folders")
-    run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
-    track: bool = arg(False, "log to Weights & Biases")
-    wandb_project: str = arg("rlvr-reference", "W&B project")
-    log_rollouts_every: int = arg(0, "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
-                                     "finish reason) to <run>/rollouts.jsonl (0: off)")
-    config: str = arg("", "replay a run: its args.json (or a YAML file); flags on the command line override it")
     # MUGRPO specific arguments
+    # a stage is grpo.py's step with a huge batch: the same three flags, with Mu-GRPO's defaults and meaning
     total_steps: int = arg(3, "number of stages (Mu-GRPO: a stage is one step with a huge batch; paper: 4)")
     prompts_per_step: int = arg(32, "prompts per stage = mu x prompts per update (a multiple of --updates-per-batch)")
     updates_per_batch: int = arg(8, "mu: optimizer updates per stage, one pass over its group-shuffled prompts "
                                     "(paper: 1024; standard GRPO: 4)")
     clip_low: float = arg(1.0, "eps_low: lower clip bound 1 - eps_low (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
     clip_high: float = arg(4.0, "eps_high: upper clip bound 1 + eps_high (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
-    veto_scope: str = arg("suffix_nontrigger", "negative-advantage veto: none, trigger, suffix, suffix_nontrigger "
-                                               "(the paper's H_kappa), sequence")
+    veto_scope: Literal["none", "trigger", "suffix", "suffix_nontrigger", "sequence"] = arg(
+        "suffix_nontrigger", "negative-advantage veto: none, trigger, suffix, suffix_nontrigger (the paper's H_kappa), "
+        "sequence")
     veto_delta: float = arg(1e-4, "delta: a token of an A<0 response triggers when pi/pi_behav < delta "
                                   "(tested as log-ratio < log delta; reading: the project page's 1e-4)")
-    behav_logp: str = arg("trainer", "behaviour log-probs: trainer (forward pass under the stage-start weights) "
-                                     "or engine (the rollout engine's sampling log-probs)")
+    behav_logp: Literal["trainer", "engine"] = arg(
+        "trainer", "behaviour log-probs: trainer (forward pass under the stage-start weights) or engine (the rollout "
+        "engine's sampling log-probs)")
+    checks = (  # (flag, test of its value, what it must be): checked with the common flags, before anything loads
+        ("prompts_per_step", lambda v, args: v % args.updates_per_batch == 0,
+         "must be a multiple of --updates-per-batch (mu): a stage is mu x prompts per update"),
+        ("clip_low", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+        ("clip_high", lambda v: 0.0 <= v < math.inf, "must be finite and >= 0"),
+        ("veto_delta", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+    )
 
 
 # ALGO LOGIC: advantages
@@ -131,7 +98,7 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6
 
 
 # ALGO LOGIC: policy loss
-def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                         eps_low: float = 1.0, eps_high: float = 4.0, keep: torch.Tensor | None = None,
                         ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Relaxed clipped surrogate times the veto's keep mask. logp, behav_logp, mask, keep, ref_logp: (B, T);
@@ -173,7 +140,7 @@ def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages
 
 
 # ALGO LOGIC: negative-advantage veto
-VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
+VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")  # the choices of --veto-scope (Args)
 
 
 def veto_triggers(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -214,68 +181,54 @@ def veto_mask(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Te
 
 def main(args: Args) -> None:
     # ALGO LOGIC: stage settings (a stage = one step with mu = --updates-per-batch updates on its own rollouts)
-    if args.updates_per_batch < 1 or args.prompts_per_step % args.updates_per_batch:
-        raise common.UserError(f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of "
-                               f"--updates-per-batch (mu = {args.updates_per_batch}): a stage is mu x prompts per update")
-    if args.veto_scope not in VETO_SCOPES:
-        raise common.UserError(f"--veto-scope must be one of {', '.join(VETO_SCOPES)}, not {args.veto_scope!r}")
-    if args.behav_logp not in ("trainer", "engine"):
-        raise common.UserError(f"--behav-logp must be trainer or engine, not {args.behav_logp!r}")
-    if not 0.0 < args.veto_delta <= 1.0 or not 0.0 <= args.clip_low <= 1.0 or args.clip_high < 0.0:
-        raise common.UserError("need 0 < --veto-delta <= 1, 0 <= --clip-low <= 1 and --clip-high >= 0")
     log_delta = math.log(args.veto_delta)  # trigger test in log space: log rho_it < log delta
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
-    common.validate_args(args)  # every common flag, before anything is loaded
-    world = common.init_world()  # torchrun: process group, one rank per device; plain python: world size 1
-    common.set_cpu_threads()
-    device = common.pick_device()
-    args.micro_batch_tokens = common.resolve_micro_batch_tokens(args.micro_batch_tokens, device)
+    world, device = common.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
     # checkpoint (HF folder + trainer state) read and checked before the model loads
-    resume_dir, resume_ckpt, resume_state = (common.find_resume(args.resume, None if args.eval_only else args.total_steps)
-                                             if args.resume else (None, None, None))
-    run_dir = resume_dir or common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
-    common.seed_everything(args.seed)
+    resume = common.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
+    run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    model_path = resume.model_dir if resume else args.model
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else common.load_task(args.dataset, "train", args.seed, q_field, a_field,
-                                                                 reward=args.reward)
-    eval_tasks = common.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
-                                        args.eval_limit)
-    tokenizer = common.load_tokenizer(resume_ckpt or args.model)
+    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field,
+                                                                    reward=args.reward)
+    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
+                                           args.eval_limit)
+    tokenizer = common.load_tokenizer(model_path)
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(resume_ckpt or args.model, device, args.gradient_checkpointing))
+    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
     ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
                  else None)
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
                      for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
-    train_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
-    engine = common.make_engine(args.engine, model, tokenizer, resume_ckpt or common.resolve_model_path(args.model),
-                                train_prompt_len + args.max_new_tokens, args.seed, args.gen_batch_size,
-                                args.gpu_memory_utilization)
-    if args.behav_logp == "engine" and isinstance(engine, common.HFEngine):  # vLLM always returns them  # ALGO LOGIC
-        engine.return_logps = True  # ALGO LOGIC
-    timers = common.Timers(["rollout", "reward", "train", "sync", "eval"])
+    # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
+    max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
+    engine = common.make_engine(args.engine, model, tokenizer, model_path=model_path,
+                                max_model_len=max_prompt_len + args.max_new_tokens, seed=args.seed,
+                                gen_batch_size=args.gen_batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                                return_logps=args.behav_logp == "engine")  # ALGO LOGIC
+    timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
-    if resume_ckpt:
-        state = common.load_trainer_state(resume_state, optimizer, scheduler, model)
+    if resume:
+        state = common.load_trainer_state(resume.state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
-        print(f"resumed {run_dir} from {resume_ckpt} (step {start_step})")
-    logger = common.RunLogger(run_dir, args, start_step if resume_ckpt else None, args.track, args.wandb_project)
+        print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
+    logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model)
             metrics, per_set = common.evaluate_sets(
-                engine, tokenizer, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature,
-                args.max_new_tokens, args.eval_k, seed=args.seed + 12345)
+                engine, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature, args.max_new_tokens,
+                args.eval_k, seed=common.eval_seed(args.seed))
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        logger.write_eval(step, per_set)
+        common.write_eval(logger, step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
         return metrics
 
@@ -292,12 +245,11 @@ def main(args: Args) -> None:
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
-        with timers("sync"):
-            engine.wake(model)  # vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
-        wake_s = timers.step["sync"]  # engine wake incl. the weight push (sync restarts at 0 each stage)  # ALGO LOGIC
+        with timers("wake"):
+            engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
         minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        torch.Generator().manual_seed(args.seed * 100_003 + step))
+                                                        common.minibatch_generator(args.seed, step))
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
@@ -306,7 +258,7 @@ def main(args: Args) -> None:
             # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
             rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
                                               args.seed + step, minibatches)
-        with timers("sync"):
+        with timers("sleep"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
         with timers("reward"):
@@ -316,14 +268,14 @@ def main(args: Args) -> None:
         # A stage's rollouts: P = mu x prompts per update, B = P*G rows, generated in one go under frozen weights.
         advantages = compute_advantages(rewards, G)  # (B,) group-normalised once per stage, stored for its mu updates
         # TRY NOT TO MODIFY: old log-probs
-        B = len(rollout.completion_ids)
+        B = len(rollout)
         mask = common.completion_mask_of(rollout)  # (B, T)
         lengths = common.row_lengths(rollout)  # (B,) prompt + completion tokens per row
         with timers("train"):
             # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
             # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
-            later_rows = rollout.own(r for mb in minibatches[1:] for r in mb)  # torchrun: this rank's rows
-            later_rows = [] if args.behav_logp == "engine" else later_rows  # engine log-probs: no trainer pass  # ALGO LOGIC
+            trainer_behav = args.behav_logp == "trainer"  # engine log-probs: no trainer pass  # ALGO LOGIC
+            later_rows = rollout.own(r for mb in minibatches[1:] for r in mb) if trainer_behav else []  # ALGO LOGIC
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
@@ -337,12 +289,12 @@ def main(args: Args) -> None:
                                                             args.micro_batch_tokens, args.logp_chunk_tokens)
         # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
         if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
-            if rollout.engine_logps is None:
+            if not rollout.has_engine_logps:
                 raise common.RunError("--behav-logp engine: the rollout engine returned no log-probs")
             # written into old_logp's (B, T) buffer, unused with engine log-probs (no row is ready there): at paper
             # scale a second dense (B, T) fp32 tensor would be another 6.4 GB. Row-major boolean indexing of the
             # mask visits row r's len(r) real tokens in order, exactly the packed order of the flat log-probs.
-            flat = rollout.engine_logps.flat()  # (sum_r len(r),) float32, rows this process holds (torchrun: its own)
+            flat = rollout.engine_logps_flat()  # (sum_r len(r),) float32, rows this process holds (torchrun: its own)
             behav_ready = torch.zeros(B, dtype=torch.bool)
             behav_ready[rollout.rows] = True  # (B,) all rows at world size 1
             own_tokens = mask.bool() & behav_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
@@ -353,10 +305,7 @@ def main(args: Args) -> None:
             behav_logp[own_tokens] = flat.to(behav_logp.dtype)
         else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
             behav_logp, behav_ready = old_logp, old_ready  # (B, T), (B,): stored, never recomputed in the stage
-        sleep_s = timers.step["sync"] - wake_s  # engine sleep of this stage (sync = wake + sleep so far)
-        for phase, secs in (("sync.wake", wake_s), ("sync.sleep", sleep_s)):  # run totals for the summary
-            timers.total[phase] = timers.total.get(phase, 0.0) + secs
-        update_rows = []
+        update_metrics = []  # one dict per optimizer update
         with timers("train"):
             upd_bar = tqdm(minibatches, desc=f"stage {step} update", leave=False, unit="upd")
             for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates made since the stage's rollouts
@@ -366,8 +315,7 @@ def main(args: Args) -> None:
                 diag = {"neg_ratio_sum": 0.0, "neg_tokens": 0.0, "vetoed_tokens": 0.0, "neg_resp": 0, "triggered_resp": 0}
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
-                    tb = common.pad_batch([rollout.prompt_ids[r] for r in micro],
-                                          [rollout.completion_ids[r] for r in micro], pad_id)
+                    tb = common.rows_batch(rollout, micro, pad_id)  # (b, L) [left-padded prompt | completion]
                     logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
                     T_m = logp.shape[1]
                     micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
@@ -377,8 +325,8 @@ def main(args: Args) -> None:
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
                     keep = veto_mask(logp.detach(), behav, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
-                    loss, stats = compute_policy_loss(logp, behav, adv, micro_mask, args.clip_low, args.clip_high,
-                                                      keep, ref, args.beta)
+                    loss, stats = compute_policy_loss(logp, behav, adv, micro_mask, eps_low=args.clip_low,
+                                                      eps_high=args.clip_high, keep=keep, ref_logp=ref, beta=args.beta)
                     weight = common.accumulation_weight("token-mean", micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
                     n_tok = micro_mask.sum().item()
@@ -397,46 +345,44 @@ def main(args: Args) -> None:
                 optimizer.step()
                 scheduler.step()
                 update += 1
-                mu_row = {  # a ratio with no data (no A<0 token in the mini-batch) is left out of the row, never null
+                mugrpo_metrics = {  # a ratio with no data (no A<0 token in the mini-batch) is left out of the row, never null
                     "mugrpo/staleness": staleness,
                     "mugrpo/vetoed_token_frac": diag["vetoed_tokens"] / max(mb_tokens, 1.0),
                 }
                 if diag["neg_tokens"]:
-                    mu_row["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
+                    mugrpo_metrics["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
                 if diag["neg_resp"]:
-                    mu_row["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
-                if staleness == 0:  # split of the stage's engine switch, both parts of perf/sync_s
-                    mu_row |= {"perf/wake_s": wake_s, "perf/sleep_s": sleep_s}
-                update_rows.append({f"losses/{k}": v for k, v in sums.items()} | mu_row | {
+                    mugrpo_metrics["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
+                update_metrics.append({f"losses/{k}": v for k, v in sums.items()} | mugrpo_metrics | {
                     "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
                     "update": update})
                 upd_bar.set_postfix(loss=f"{sums['policy_loss']:.3g}", clip=f"{sums['clipfrac']:.2f}",
-                                    veto=f"{mu_row['mugrpo/vetoed_token_frac']:.2f}", refresh=False)
-        # TRY NOT TO MODIFY: weight sync, metrics, eval, checkpoint
+                                    veto=f"{mugrpo_metrics['mugrpo/vetoed_token_frac']:.2f}", refresh=False)
+        # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
-        rollout_row = {
+        rollout_metrics = {
             "rollout/reward_mean": rewards.mean().item(),
             "rollout/reward_std": rewards.std().item() if B > 1 else 0.0,
             "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
             "rollout/response_len_mean": n_completion_tokens / B,
             "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
             "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
-            "perf/sync_s": timers.step["sync"], "perf/reward_s": timers.step["reward"],
+            "perf/sync_s": timers.step["wake"] + timers.step["sleep"], "perf/wake_s": timers.step["wake"],
+            "perf/sleep_s": timers.step["sleep"], "perf/reward_s": timers.step["reward"],
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
         engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
         if engine_diff is not None:
-            rollout_row["perf/engine_logp_diff"], rollout_row["perf/engine_logp_diff_max"] = engine_diff
-        for i, row in enumerate(update_rows):
-            logger.log({"step": step, **row, "wall_s": time.time() - t_start, **(rollout_row if i == 0 else {})})
-        line_row = {**rollout_row, **update_rows[-1]}
-        tqdm.write(common.console_line(step, args.total_steps, line_row, [
+            rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
+        for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
+            logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
+        tqdm.write(common.console_line(step, args.total_steps, {**rollout_metrics, **update_metrics[-1]}, [
             "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
             "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            logger.write_rollouts(step, tokenizer, rollout, row_problems, rewards, advantages, G)
+            common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)

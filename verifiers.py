@@ -1,29 +1,45 @@
-"""Rewards that can be trusted: math, the built-in arithmetic task, code, answer extraction, pass@k.
+"""Tasks and the rewards that score them: the data of a task, how a completion is scored, the code sandbox.
 
-A wrong reward is a corrupted gradient and a reward that can be gamed will be gamed, so every
-function here is strict, bounded in time and never runs model code in the calling process.
+A wrong reward is a corrupted gradient and a reward that can be gamed will be gamed, so every reward here is
+strict, bounded in time and never runs model code in the calling process.
 
-- `math_reward(completion, answer)`: 1.0 if the content of the LAST `\\boxed{...}` of the completion
-  equals the gold answer according to math-verify, else 0.0. math-verify runs in persistent worker
-  processes (one per concurrent caller) with its own SIGALRM timeouts in the worker's main thread and
-  a hard outer timeout in the caller, which kills and replaces a stuck worker. Never raises.
+Part 1, tasks (what a training step uses, in that order):
+- `load_task(name, split, ...)` and `load_eval_tasks(...)` -> `Task`: the problems (question and gold answer, or
+  code tests), the reward kind (arith, math, code, or the user's `module:function`) and the instruction appended
+  to each question. A task is the built-in `arith`, a name of `HUB_DATASETS`, a hub id or a local
+  .jsonl/.json/.parquet file.
+- `compute_rewards(task, problems, completions)` -> one float per completion, the dispatch to Part 2. A code
+  sandbox that cannot start is retried once and then stops the run; a custom reward that raises or returns no
+  finite number stops it too: no reward is invented.
+Part 2, rewards:
 - `arith_reward(completion, answer)`: exact number comparison for the built-in arithmetic task.
-- `code_reward(completion, problem)`: 1.0 if the extracted program passes every test of a HumanEval,
-  MBPP or stdin/stdout problem in the subprocess sandbox, 0.0 if not, None if the sandbox itself
-  could not run (an infrastructure failure, to be left out of the reward, not scored 0).
-- `extract_boxed`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers
-  `math_rewards_batch` / `code_rewards_batch` (concurrent, order preserving).
+- `math_reward(completion, answer)`: 1.0 if the content of the LAST `\\boxed{...}` of the completion equals the
+  gold answer according to math-verify, else 0.0. math-verify runs in persistent worker processes (one per
+  concurrent caller) with its own SIGALRM timeouts and a hard outer timeout in the caller, which kills and
+  replaces a stuck worker. Never raises.
+- `code_reward(completion, problem)`: 1.0 if the extracted program passes every test of a HumanEval, MBPP or
+  stdin/stdout problem in the subprocess sandbox, 0.0 if not, None if the sandbox itself could not run (an
+  infrastructure failure, to be left out of the reward, not scored 0).
+- `extract_boxed`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers `math_rewards_batch` /
+  `code_rewards_batch` (concurrent, order preserving).
+
+`UserError` and `RunError` live here, the lowest layer; common.py and the scripts use them as common.UserError and
+common.RunError.
 """
 
 from __future__ import annotations
 
 import atexit
 import gzip
+import importlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
+import numbers
 import os
+import random
 import re
 import secrets
 import select
@@ -38,8 +54,517 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
+
+
+class UserError(Exception):
+    """An error caused by the user's input; printed as one line, exit code 2."""
+
+
+class RunError(Exception):
+    """A run that cannot go on (non-finite gradients, a sandbox that will not start); one line, exit code 1."""
+
+
+# =============================================================================================
+# Part 1: tasks -- the data of a task and how it is scored
+# =============================================================================================
+
+ARITH_INSTRUCTION = "Give the final answer as a single number."
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CODE_INSTRUCTION = "Write the complete Python function in a single ```python code block."
+INSTRUCTIONS = {"arith": ARITH_INSTRUCTION, "math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION}
+BUILTIN_REWARDS = ("auto", "arith", "math", "code")
+HOLDOUT = 200  # problems held out for evaluation from a dataset without an eval split (at most a fifth of it)
+# Seeds of the data splits (the training run's random streams: common.py, "Random streams")
+ARITH_EVAL_SEED_OFFSET = 10_000  # the arith eval problems of --seed s are drawn with seed s + 10_000
+HOLDOUT_SHUFFLE_SEED = 1234  # the held-out carve of a dataset without an eval split (the same for every --seed)
+
+
+@dataclass(frozen=True)
+class CustomReward:
+    """The user's reward `fn(completion: str, problem: dict) -> float`, named by `spec` in every message."""
+
+    spec: str
+    fn: Callable
+
+
+@dataclass
+class Task:
+    """A list of problems with one reward kind. Every problem has `question` and `answer` (math/arith) or
+    the code-test fields (code)."""
+
+    name: str
+    kind: str  # "arith" | "math" | "code" | "custom"
+    problems: list[dict]
+    instruction: str
+    custom_reward: CustomReward | None = None  # kind "custom": the user's --reward module:function
+
+
+def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[str]) -> list[float]:
+    """One float reward per completion, `problems[i]` being the problem of completion i.
+
+    A code sandbox that fails to start is retried once and then stops the run: it never becomes a 0.
+    A custom reward that raises or returns no finite number stops the run too."""
+    if task.kind == "custom":
+        return _custom_rewards(task.custom_reward, problems, completions)
+    if task.kind == "arith":
+        return [arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
+    if task.kind == "math":
+        return math_rewards_batch(list(completions), [p["answer"] for p in problems])
+    values = code_rewards_batch(list(completions), list(problems))
+    failed = [i for i, v in enumerate(values) if v is None]
+    if failed:
+        retry = code_rewards_batch([completions[i] for i in failed], [problems[i] for i in failed])
+        for i, v in zip(failed, retry):
+            values[i] = v
+        if any(v is None for v in values):
+            raise RunError(
+                "the code sandbox failed to start twice for some completions; check ulimits / free memory "
+                "(no reward was invented)"
+            )
+    return values
+
+
+def load_task(name: str, split: str, seed: int = 0, question_field: str | None = None,
+              answer_field: str | None = None, holdout: int = HOLDOUT, reward: str = "auto") -> Task:
+    """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
+
+    Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
+    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind;
+    `module:function` or `path.py:function` is the user's own `fn(completion, problem) -> float` (kind "custom",
+    loaded and checked here, before any model is loaded)."""
+    custom = load_custom_reward(reward) if reward not in BUILTIN_REWARDS else None
+    task = _load_task(name, split, seed, question_field, answer_field, holdout)
+    if custom is not None:  # the dataset's instruction (answer format) stays; the user's function scores
+        task.kind, task.custom_reward = "custom", custom
+        return task
+    if reward != "auto" and reward != task.kind:
+        if (reward == "code") != (task.kind == "code"):
+            raise UserError(f"--reward {reward} does not fit dataset {name} (its problems are {task.kind} problems)")
+        task.kind = reward
+        task.instruction = INSTRUCTIONS[reward]
+    return task
+
+
+def load_eval_tasks(names: Sequence[str], default: str, seed: int, question_field: str | None,
+                    answer_field: str | None, reward: str, limit: int) -> list[Task]:
+    """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
+    `limit` problems (0: all). Two sets with the same label are one error."""
+    tasks, seen = [], {}
+    for name in list(names) or [default]:
+        label = eval_set_label(name)
+        if label in seen:
+            raise UserError(f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
+                            "give each evaluation set once (rename a local file if two share a name)")
+        seen[label] = name
+        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward)
+        if limit:
+            task.problems = task.problems[:limit]
+        tasks.append(task)
+    return tasks
+
+
+def eval_set_label(name: str) -> str:
+    """Short name of an eval set in metric keys (eval/<label>/pass@1): a registry name as is, a local file's
+    base name without extension, a hub id's last part."""
+    if name in BUILTIN_DATASETS or name in HUB_DATASETS:
+        return name
+    base = os.path.basename(name.rstrip("/"))
+    for ext in (".gz", ".jsonl", ".json", ".parquet"):
+        base = base[:-len(ext)] if base.endswith(ext) else base
+    return base or name
+
+
+def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None,
+               holdout: int) -> Task:
+    if name == "arith":
+        test = arith_problems(holdout, seed=ARITH_EVAL_SEED_OFFSET + seed)
+        if split == "eval":
+            return Task("arith", "arith", test, ARITH_INSTRUCTION)
+        train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in test})
+        return Task("arith", "arith", train, ARITH_INSTRUCTION)
+    if name == "humaneval":
+        if split == "train":
+            raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass "
+                            "--eval-dataset humaneval")
+        problems = [dict(p, question=p["prompt"]) for p in load_humaneval()]
+        return Task("humaneval", "code", problems, CODE_INSTRUCTION)
+    if name in HUB_DATASETS:
+        info = HUB_DATASETS[name]
+        q_field, a_field = question_field or info["q"], answer_field or info["a"]
+        hub_split = info[split] if split in ("train", "eval") else split
+        if hub_split is None and split == "train":
+            raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass "
+                            f"--eval-dataset {name}")
+        carve = hub_split is None
+        rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
+        kind, transform = info["kind"], info.get("transform")
+    else:
+        q_field, a_field = question_field or "question", answer_field or "answer"
+        rows = _load_rows(name, None, "train")
+        carve, kind, transform = True, "math", None
+        if rows and any(k in rows[0] for k in ("test_list", "entry_point")) and a_field not in rows[0]:
+            kind = "code"
+    problems = _rows_to_problems(rows, kind, q_field, a_field, transform, name)
+    if carve:  # seeded hold-out, disjoint from training
+        order = list(range(len(problems)))
+        random.Random(HOLDOUT_SHUFFLE_SEED).shuffle(order)
+        n_hold = min(holdout, max(1, len(problems) // 5))
+        chosen = sorted(order[:n_hold]) if split == "eval" else sorted(order[n_hold:])
+        problems = [problems[i] for i in chosen]
+    return Task(name, kind, problems, INSTRUCTIONS[kind])
+
+
+# ----- the built-in arithmetic task
+
+
+def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
+    if tier == 0:  # one-digit sums
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return f"What is {a} + {b}?", a + b
+    if tier == 1:  # one-digit differences, non-negative
+        a = rng.randint(2, 9)
+        b = rng.randint(1, a)
+        return f"What is {a} - {b}?", a - b
+    if tier == 2:  # one-digit products
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"What is {a} * {b}?", a * b
+    if tier == 3:  # two-digit plus one-digit
+        a, b = rng.randint(10, 49), rng.randint(1, 9)
+        return f"What is {a} + {b}?", a + b
+    a, b = rng.randint(10, 99), rng.randint(10, 99)  # two-digit sums
+    return f"What is {a} + {b}?", a + b
+
+
+ARITH_TIERS = 5
+
+
+def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """`n` arithmetic problems, tiers mixed uniformly so that group success rates vary; seeded."""
+    rng = random.Random(seed)
+    exclude = exclude or set()
+    out, seen = [], set()
+    attempts = 0
+    while len(out) < n:
+        attempts += 1
+        if attempts > 100 * n:
+            break
+        tier = rng.randrange(ARITH_TIERS)
+        question, answer = _arith_problem(rng, tier)
+        if question in exclude or question in seen:
+            continue
+        seen.add(question)
+        out.append({"question": question, "answer": str(answer), "tier": tier})
+    return out
+
+
+# ----- datasets: the registry, local files and the hub
+
+# name -> (hub id, config, train split, eval split, question field, answer field, kind, answer transform)
+HUB_DATASETS: dict[str, dict] = {
+    "gsm8k": dict(path="openai/gsm8k", config="main", train="train", eval="test", q="question", a="answer",
+                  kind="math", transform="gsm8k"),
+    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", config=None, train="train", eval="test",
+                 q="problem", a="solution", kind="math", transform="boxed"),
+    "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer",
+                    kind="math"),
+    "dapo17k": dict(path="open-r1/DAPO-Math-17k-Processed", config="en", train="train", eval=None, q="prompt",
+                    a="solution", kind="math"),
+    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", config=None, train="train", eval=None,
+                       q="problem", a="answer", kind="math"),
+    "aime24": dict(path="math-ai/aime24", config=None, train=None, eval="test", q="problem", a="solution",
+                   kind="math", transform="boxed_or_raw"),
+    "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
+    "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
+    "mbpp": dict(path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text",
+                 a="test_list", kind="code"),
+    "openai_humaneval": dict(path="openai/openai_humaneval", config=None, train=None, eval="test", q="prompt",
+                             a="test", kind="code"),
+    "humanevalplus": dict(path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt",
+                          a="test", kind="code"),
+}
+BUILTIN_DATASETS = ("arith", "humaneval")
+
+
+def _transform_answer(raw: Any, how: str | None) -> str | None:
+    if raw is None:
+        return None
+    if how == "gsm8k":
+        return str(raw).split("####")[-1].strip().replace(",", "")
+    if how == "boxed":
+        return extract_boxed(str(raw))
+    if how == "boxed_or_raw":
+        return extract_boxed(str(raw)) or str(raw).strip()
+    return str(raw).strip()
+
+
+def _check_fields(rows, needed: Sequence[str], source: str) -> None:
+    if len(rows) == 0:
+        raise UserError(f"dataset {source} is empty")
+    have = list(rows[0].keys())
+    missing = [f for f in needed if f not in have]
+    if missing:
+        raise UserError(f"dataset {source} has no field {missing[0]!r}; its fields are {have}. "
+                        "Pick them with --question-field / --answer-field")
+
+
+class _Rows(list):
+    """Rows of a local file; `where[i]` names row i in error messages (`file:line` for .jsonl)."""
+
+    def __init__(self, rows: list, where: list[str]):
+        super().__init__(rows)
+        self.where = where
+
+
+def _row_place(rows, i: int, source: str) -> str:
+    where = getattr(rows, "where", None)
+    return where[i] if where else f"dataset {source}, row {i + 1}"
+
+
+def _read_jsonl(path: str) -> _Rows:
+    """One JSON object per line; a broken line, non-UTF-8 bytes or a non-object fail with `file:line`."""
+    opener = gzip.open if path.endswith(".gz") else open
+    rows, where = [], []
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                    f"{exc.start + 1}); re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or "
+                                    "remove the line (one JSON object per line)") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{lineno}: expected a JSON object, got a {type(row).__name__}")
+                rows.append(row)
+                where.append(f"{path}:{lineno}")
+    except (OSError, EOFError) as exc:  # unreadable file, truncated or corrupt .gz
+        raise UserError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    return _Rows(rows, where)
+
+
+def _read_json(path: str) -> _Rows:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        lineno = raw.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}); re-encode the file as "
+                        "UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+    if isinstance(data, dict):  # {"data": [...]} or column dict {"question": [...], "answer": [...]}
+        columns = {k: v for k, v in data.items() if isinstance(v, list)}
+        if len(columns) > 1 and len({len(v) for v in columns.values()}) == 1 and \
+                not any(isinstance(x, dict) for v in columns.values() for x in v):
+            data = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        else:
+            data = next(iter(columns.values()), None)
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of objects")
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: item {i + 1} of the list is a {type(row).__name__}, not a JSON object")
+    return _Rows(data, [f"{path}, item {i + 1}" for i in range(len(data))])
+
+
+def _load_rows(path: str, config: str | None, split: str | None):
+    """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub)."""
+    if os.path.isfile(path):
+        if path.endswith(".jsonl") or path.endswith(".jsonl.gz"):
+            return _read_jsonl(path)
+        if path.endswith(".json"):
+            return _read_json(path)
+        if path.endswith(".parquet"):
+            import datasets
+
+            try:
+                return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+            except Exception as exc:
+                raise UserError(f"cannot read {path} as parquet: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
+        raise UserError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
+    if os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")):
+        raise UserError(f"dataset file {path} does not exist")
+    if "/" not in path:
+        raise UserError(f"unknown dataset '{path}': use one of {sorted(BUILTIN_DATASETS + tuple(HUB_DATASETS))}, "
+                        "a hub id (owner/name) or a local .jsonl/.json/.parquet file")
+    import datasets
+
+    reachable = hub_reachable()
+    try:
+        ds = datasets.load_dataset(path, config, split=split or "train")
+    except Exception as exc:  # no network, unknown id, wrong split
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        where = "the hub" if reachable else "the local cache (the hub is unreachable)"
+        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
+                        "Without network, pass a local .jsonl/.json/.parquet file") from None
+    return list(ds)
+
+
+def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: str | None, source: str) -> list[dict]:
+    if kind == "code":
+        problems = []
+        for i, row in enumerate(rows):
+            prob = dict(row)
+            if "test_list" in prob or "entry_point" in prob or ("inputs" in prob and "outputs" in prob):
+                prob["question"] = str(row.get(q_field) or row.get("text") or row.get("prompt") or "")
+                if "test_list" in prob and "entry_point" not in prob:  # MBPP: the tests name the function
+                    prob["question"] += "\nYour code should pass these tests:\n" + "\n".join(prob["test_list"])
+                problems.append(prob)
+            else:
+                raise UserError(f"{_row_place(rows, i, source)}: code dataset rows need HumanEval fields (prompt, "
+                                f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
+                                f"outputs); this row's fields are {list(row.keys())}")
+        return problems
+    _check_fields(rows, [q_field, a_field], source)
+    problems, skipped = [], []
+    for i, row in enumerate(rows):
+        missing = [f for f in (q_field, a_field) if f not in row]
+        if missing:
+            raise UserError(f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
+                            f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})")
+        answer = _transform_answer(row[a_field], transform)
+        if answer is None or row[q_field] is None or str(row[q_field]).strip() == "":
+            skipped.append(i)
+            continue
+        # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
+        problems.append({**row, "question": str(row[q_field]), "answer": answer})
+    if not problems:
+        raise UserError(f"dataset {source}: no row had a usable question and answer "
+                        f"(fields {q_field!r}, {a_field!r})")
+    if skipped:
+        print(f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
+              f"usable answer (first: {_row_place(rows, skipped[0], source)})", file=sys.stderr)
+    return problems
+
+
+_HUB_REACHABLE: bool | None = None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP probe of the Hugging Face endpoint (cached). When it fails, the hub libraries are put
+    in offline mode so that a missing model or dataset fails at once instead of after minutes of retries."""
+    global _HUB_REACHABLE
+    if _HUB_REACHABLE is None:
+        import socket
+        from urllib.parse import urlparse
+
+        endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+            _HUB_REACHABLE = True
+        except OSError:
+            _HUB_REACHABLE = False
+            import huggingface_hub.constants
+
+            huggingface_hub.constants.HF_HUB_OFFLINE = True
+            try:
+                import datasets.config
+
+                datasets.config.HF_HUB_OFFLINE = True
+            except ImportError:
+                pass
+    return _HUB_REACHABLE
+
+
+# ----- custom rewards: the user's fn(completion, problem) -> float
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+_CUSTOM_REWARDS: dict[str, CustomReward] = {}  # spec -> loaded function (train and eval share one module import)
+
+
+def load_custom_reward(spec: str) -> CustomReward:
+    """`--reward module:function` (importable, the current folder included) or `path/to/file.py:function`.
+
+    A bad spec (no colon, missing file or module, import error, missing or non-callable attribute, a function
+    that cannot take (completion, problem)) is one UserError line; nothing slow has happened yet."""
+    if spec in _CUSTOM_REWARDS:
+        return _CUSTOM_REWARDS[spec]
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise UserError(f"--reward must be auto, arith, math, code, or your own function as module:function or "
+                        f"path/to/file.py:function, not {spec!r}")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise UserError(f"--reward {spec}: file {where} does not exist")
+            mod_name = "_rlvr_reward_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(where))[0])
+            mod_spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(where))
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_name] = module  # pickling / dataclasses inside the user's file need it
+            mod_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:  # `python grpo.py` puts the script's folder first
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except ModuleNotFoundError as exc:
+        raise UserError(f"--reward {spec}: cannot import {where} ({exc}); pass module:function for a module on "
+                        "the Python path or path/to/file.py:function") from None
+    except (Exception, SystemExit) as exc:  # SyntaxError, or anything the module raises while it is imported
+        raise UserError(f"--reward {spec}: importing {where} failed: {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise UserError(f"--reward {spec}: {where} has no attribute {attr!r} (its functions: {public})")
+    if not callable(fn):
+        raise UserError(f"--reward {spec}: {attr} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("completion", {})
+    except TypeError:
+        raise UserError(f"--reward {spec}: {attr}{inspect.signature(fn)} cannot be called as "
+                        f"{attr}(completion, problem)") from None
+    except ValueError:  # no signature (some builtins): checked at the first call instead
+        pass
+    _CUSTOM_REWARDS[spec] = CustomReward(spec, fn)
+    return _CUSTOM_REWARDS[spec]
+
+
+def _custom_rewards(reward: CustomReward, problems: Sequence[dict], completions: Sequence[str]) -> list[float]:
+    """Call the user's function on every (completion, problem); a value that is not a finite real number, or
+    an exception, stops the run (RunError): a broken reward must never quietly turn into a 0."""
+    values = []
+    for i, (completion, problem) in enumerate(zip(completions, problems)):
+        question = str(problem.get("question", ""))[:60]
+        try:
+            value = reward.fn(completion, dict(problem))  # a copy: the function cannot edit the dataset
+        except Exception as exc:
+            import traceback
+
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            raise RunError(f"reward function {reward.spec} raised {type(exc).__name__}: {exc} "
+                           f"(at {os.path.basename(frame.filename)}:{frame.lineno}) on completion {i} of the batch, "
+                           f"problem {question!r}; fix the function (a failing reward is never scored 0)") from None
+        if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
+            value = value.item()  # a one-element tensor or numpy array
+        if not isinstance(value, numbers.Real):
+            raise RunError(f"reward function {reward.spec} returned {type(value).__name__} ({value!r:.60}) for "
+                           f"completion {i} of the batch, problem {question!r}; it must return a number")
+        value = float(value)
+        if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+            raise RunError(f"reward function {reward.spec} returned {value} for completion {i} of the batch, "
+                           f"problem {question!r}; rewards must be finite float32 numbers")
+        values.append(value)
+    return values
+
+# =============================================================================================
+# Part 2: rewards
+# =============================================================================================
 
 
 def _num_cores() -> int:

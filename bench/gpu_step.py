@@ -133,8 +133,8 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     rollout = engine.generate(prompts, a.num_generations, a.gen_tokens, 1.0, progress=False)
     sync(device)
     gen_s = time.perf_counter() - t0
-    gen_tokens = sum(len(c) for c in rollout.completion_ids)
-    out.update(gen_rows=len(rollout.completion_ids), gen_tokens=gen_tokens, gen_s=round(gen_s, 2),
+    gen_tokens = int(rollout.completion_lengths.sum())
+    out.update(gen_rows=len(rollout), gen_tokens=gen_tokens, gen_s=round(gen_s, 2),
                gen_tokens_per_s=round(gen_tokens / gen_s, 1), gen_peak_gb=round(common.peak_memory_gb(device), 2))
     del rollout
     if device.type == "cuda":

@@ -22,14 +22,15 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import verifiers  # noqa: E402
 import grpo  # noqa: E402
 from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wait_quiet  # noqa: E402
 
 
 def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages) -> dict:
-    B = len(rollout.completion_ids)
+    B = len(rollout)
     rows = list(range(B))
-    lengths = [len(rollout.prompt_ids[r]) + len(rollout.completion_ids[r]) for r in rows]
+    lengths = [len(rollout.prompt(r)) + len(rollout.completion(r)) for r in rows]
     mask = common.completion_mask_of(rollout)
     mb_tokens = mask.sum().item()
     micros = common.micro_batches(rows, lengths, budget)
@@ -44,7 +45,7 @@ def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages)
     others = OthersLoad().__enter__()
     t0 = time.perf_counter()
     for micro in micros:
-        tb = common.pad_batch([rollout.prompt_ids[r] for r in micro], [rollout.completion_ids[r] for r in micro], pad_id)
+        tb = common.pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
         logp, _ = common.completion_logps(model, tb, 1.0, chunk)
         loss, _ = grpo.compute_policy_loss(logp, logp.detach(), advantages[micro], tb.completion_mask)
         (loss * common.accumulation_weight("token-mean", tb.completion_mask, mb_tokens, len(micro), B)).backward()
@@ -68,17 +69,17 @@ def main():
     common.seed_everything(o.seed)
     tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
     model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
-    engine = common.make_engine("hf", model, tokenizer, "", 512, o.seed, 64, 0.3)
-    task = common.load_task("arith", "train", o.seed)
+    engine = common.make_engine("hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3)
+    task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in problems]
     rollout = engine.generate(prompts, o.G, o.max_new_tokens, 1.0, seed=o.seed, progress=False)
-    B = len(rollout.completion_ids)
+    B = len(rollout)
     advantages = torch.randn(B)
     pad_id = tokenizer.pad_token_id
-    small = common.RolloutBatch(rollout.prompt_ids[:4], rollout.completion_ids[:4], [], [])
+    small = common.RolloutBatch.from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
     train_pass(model, small, 4096, pad_id, o.chunk_tokens, advantages)  # warm-up
-    print(f"{B} rows, mean completion {sum(len(c) for c in rollout.completion_ids) / B:.1f} tokens, "
+    print(f"{B} rows, mean completion {int(rollout.completion_lengths.sum()) / B:.1f} tokens, "
           f"threads {torch.get_num_threads()}")
     print("| --micro-batch-tokens | micro-batches | padded tokens (real) | fwd+bwd s | peak RSS growth GB | others' load (cores) |")
     print("|---|---|---|---|---|---|")

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
+import verifiers  # noqa: E402
 import grpo  # noqa: E402
 
 
@@ -145,8 +146,8 @@ def main():
     if o.force_length:
         model.generation_config.min_new_tokens = o.max_new_tokens
     optimizer, scheduler = common.make_optimizer(model, 1e-5, 0.0, 2)
-    engine = common.make_engine("hf", model, tokenizer, "", 512, o.seed, 64, 0.3)
-    task = common.load_task("arith", "train", o.seed)
+    engine = common.make_engine("hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3)
+    task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in problems]
 
@@ -154,16 +155,16 @@ def main():
     t0 = time.perf_counter()
     rollout = engine.generate(prompts, o.G, o.max_new_tokens, 1.0, seed=o.seed, progress=False)
     gen_s = time.perf_counter() - t0
-    B = len(rollout.completion_ids)
-    n_tok = sum(len(c) for c in rollout.completion_ids)
+    B = len(rollout)
+    n_tok = int(rollout.completion_lengths.sum())
     print(f"\n## generation: {B} rows, {n_tok / B:.1f} completion tokens/row, {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tokens/s)")
 
     pad_id = tokenizer.pad_token_id
-    tb = common.pad_batch(rollout.prompt_ids, rollout.completion_ids, pad_id)
+    tb = common.rows_batch(rollout, range(len(rollout)), pad_id)
     print(f"train batch: {tuple(tb.input_ids.shape)} (rows x padded length), {int(tb.completion_mask.sum())} "
           f"completion tokens")
-    fwd_bwd(common.completion_logps, model, common.pad_batch(rollout.prompt_ids[:2], rollout.completion_ids[:2],
+    fwd_bwd(common.completion_logps, model, common.rows_batch(rollout, range(2),
                                                             pad_id), o.chunk_tokens)  # warm-up
 
     from torch.profiler import ProfilerActivity, profile

@@ -86,7 +86,7 @@ def main() -> None:
 
     def packed():
         prompt_lists = [p.tolist() for p in prompts]
-        out = common.RolloutBatch([], [], [], [], [])
+        out = common.RolloutBatch(with_engine_logps=True)
         for r, (c, lp) in enumerate(zip(completions, logps)):
             out.append_row(prompt_lists[r // a.group], c.tolist(), "", reasons[r], lp)
         return out, prompt_lists
@@ -102,7 +102,7 @@ def main() -> None:
     (new_out, new_prompts), new_bytes, new_s = retained(packed)
     new_bytes -= prompt_list_bytes
     t0 = time.perf_counter()
-    lengths_new = [len(new_out.prompt_ids[r]) + len(new_out.completion_ids[r]) for r in range(a.rows)]
+    lengths_new = [len(new_out.prompt(r)) + len(new_out.completion(r)) for r in range(a.rows)]
     new_access = time.perf_counter() - t0
     assert lengths_new == lengths_old and new_out.nbytes() <= new_bytes + 4096
 

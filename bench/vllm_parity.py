@@ -52,10 +52,10 @@ def greedy_hf(model, tok, prompts, k):
 
 @torch.no_grad()
 def logp_diff(model, rollout, pad_id, temperature):
-    batch = common.pad_batch(rollout.prompt_ids, rollout.completion_ids, pad_id)
+    batch = common.rows_batch(rollout, range(len(rollout)), pad_id)
     trainer, _ = common.completion_logps(model, batch, temperature, with_entropy=False)
     d = torch.cat([(torch.tensor(e) - trainer[i, :len(e)].float().cpu()).abs()
-                   for i, e in enumerate(rollout.engine_logps)])
+                   for i, e in enumerate(map(rollout.engine_logp, range(len(rollout))))])
     return d.mean().item(), d.max().item()
 
 
@@ -96,7 +96,7 @@ def main() -> int:
     tok = common.load_tokenizer(args.model)
     model = common.load_model(args.model, device)
     t = time.time()
-    engine = common.make_engine("vllm", model, tok, common.resolve_model_path(args.model), 512, seed=0,
+    engine = common.make_engine("vllm", model, tok, model_path=args.model, max_model_len=512, seed=0,
                                 gen_batch_size=64, gpu_memory_utilization=args.gpu_memory_utilization)
     start_s = time.time() - t
     import vllm
@@ -123,7 +123,7 @@ def main() -> int:
     for T in (1.0, 0.7):
         r = engine.generate(prompts, 4, k, T, seed=11, progress=False)
         m, x = logp_diff(model, r, pad, T)
-        row(f"logp T={T}", f"mean {m:.1e} max {x:.1e}", f"{sum(len(c) for c in r.completion_ids)} sampled tokens")
+        row(f"logp T={T}", f"mean {m:.1e} max {x:.1e}", f"{int(r.completion_lengths.sum())} sampled tokens")
     for kind in ("linear", "norm", "embed", "all"):
         perturb(model, kind)
         t = time.time()

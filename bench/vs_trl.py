@@ -89,7 +89,7 @@ def child_trl(o) -> dict:
     common.seed_everything(o.seed)
     path = common.embedded_model_dir()
     tokenizer = common.load_tokenizer(path)
-    task = common.load_task("arith", "train", o.seed)
+    task = verifiers.load_task("arith", "train", o.seed)
     sampler = common.PromptSampler(len(task.problems), o.seed)  # the prompts grpo.main draws, in its order
     problems = [task.problems[i] for _ in range(o.steps) for i in sampler.sample(o.prompts)]
     data = Dataset.from_list([{

@@ -39,7 +39,7 @@ class ScriptedEngine:
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True,
                  group_ids=None):
-        out = common.RolloutBatch([], [], [], [], None)
+        out = common.RolloutBatch()
         for i, ids in enumerate(prompt_ids):
             g = group_ids[i] if group_ids is not None else i  # world size 1: prompt i is global group i
             for j in range(n):
@@ -74,7 +74,7 @@ def fixed_batch(vocab: int) -> tuple[common.RolloutBatch, torch.Tensor, torch.Te
     """A rollout batch of B = 16 rows with varied lengths, advantages (B,) and an old-log-prob offset (B, T_MAX):
     old_logp = logp - offset, so ratios exp(offset) in [0.5, 2] reach every clip."""
     rng = random.Random(0)
-    batch = common.RolloutBatch([], [], [], [], None)
+    batch = common.RolloutBatch()
     for g in range(P):
         prompt = [rng.randrange(3, vocab) for _ in range(3 + g)]
         for _ in range(G):
@@ -93,17 +93,12 @@ def losses():
     import grpo
     import mugrpo
 
-    out = [(f"grpo_{agg}", agg, lambda lp, old, adv, m, agg=agg: grpo.compute_policy_loss(
-        lp, old, adv, m, 0.2, 0.28, agg, max_tokens=T_MAX)[0])
+    out = [(f"grpo_{agg}", agg, lambda lp, old, adv, m, agg=agg: grpo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.28, loss_agg=agg, max_tokens=T_MAX)[0])
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
-    out.append(("gapo_token", "token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(
-        lp, old, adv, m, 0.2, 0.2 + 0.1 * (adv > 0).float(), "token")[0]))
-    out.append(("gapo_sequence", "seq-mean-token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(
-        lp, old, adv, m, 0.2, 0.2 + 0.1 * (adv > 0).float(), "sequence")[0]))
-    out.append(("mugrpo", "token-mean", lambda lp, old, adv, m: mugrpo.compute_policy_loss(
-        lp, old, adv, m, 1.0, 4.0, mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"))[0]))
-    out.append(("codapo", "token-mean", lambda lp, old, adv, m: codapo.compute_policy_loss(
-        lp, old, adv, m, 0.2, 0.28, "token-mean", None, 0.0, T_MAX, 1.5)[0]))
+    out.append(("gapo_token", "token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="token")[0]))
+    out.append(("gapo_sequence", "seq-mean-token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="sequence")[0]))
+    out.append(("mugrpo", "token-mean", lambda lp, old, adv, m: mugrpo.compute_policy_loss(lp, old, adv, m, eps_low=1.0, eps_high=4.0, keep=mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"))[0]))
+    out.append(("codapo", "token-mean", lambda lp, old, adv, m: codapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.28, loss_agg="token-mean", ref_logp=None, beta=0.0, max_tokens=T_MAX, dual_clip_c=1.5)[0]))
     out.append(("grpo_token-mean+checkpointing", "token-mean", out[0][2]))  # --gradient-checkpointing, sharded
     return out
 
@@ -116,7 +111,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     if world.enabled:
         groups = world.deal_groups([minibatch], G)
         rows = [g * G + j for g in groups for j in range(G)]
-        local = common.RolloutBatch([full.prompt_ids[r] for r in rows], [full.completion_ids[r] for r in rows],
+        local = common.RolloutBatch.from_rows([full.prompt(r) for r in rows], [full.completion(r) for r in rows],
                                     ["" for _ in rows], ["stop" for _ in rows])
         rollout = common.ShardedRollout(local, groups, P, G)
     else:
@@ -142,7 +137,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
         for micro in common.micro_batches(own, lengths, 16):  # a small budget: several micro-batches per rank
-            tb = common.pad_batch([rollout.prompt_ids[r] for r in micro], [rollout.completion_ids[r] for r in micro],
+            tb = common.rows_batch(rollout, micro,
                                   tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0)
             micro_mask = tb.completion_mask

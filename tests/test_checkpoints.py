@@ -85,13 +85,13 @@ def test_final_model_path_is_printed_and_written_without_save_every(toy, tmp_pat
 
 def test_checkpoint_layout_and_keep_last(trained):
     ckpts = trained / "checkpoints"
-    assert sorted(os.listdir(ckpts)) == ["latest", "step_000002", "step_000003"]  # --keep-last 2 removed step 1
-    assert (ckpts / "latest").read_text() == "step_000003"
-    assert sorted(os.listdir(ckpts / "step_000003")) == ["model", "trainer_state.pt"]
+    assert sorted(os.listdir(ckpts)) == ["step_000002", "step_000003"]  # --keep-last 2 removed step 1
+    assert sorted(os.listdir(ckpts / "step_000003")) == ["model", "optimizer", "trainer_state.pt"]
     model_files = os.listdir(ckpts / "step_000003" / "model")
     assert "model.safetensors" in model_files and not [n for n in model_files if n.endswith(".pt")]
     state = torch.load(ckpts / "step_000003" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 3 and state["update"] == 6 and state["optimizer"]["state"]  # Adam moments are here
+    assert state["step"] == 3 and state["update"] == 6 and "optimizer" not in state
+    assert (ckpts / "step_000003" / "optimizer" / ".metadata").is_file()  # Adam moments: a Distributed Checkpoint
 
 
 def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metrics_line(trained, toy, tmp_path,
@@ -118,7 +118,7 @@ def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metri
     assert "metrics.jsonl: dropped 1 unparsable line" in warnings[1]
     assert "removed 1 half-written" in captured.out
     assert not [p for d in (run, ckpts) for p in os.listdir(d) if p.startswith(".tmp")]
-    assert sorted(os.listdir(ckpts)) == ["latest", "step_000003", "step_000004"]
+    assert sorted(os.listdir(ckpts)) == ["step_000003", "step_000004"]
     resumed = _train(_rows(run))  # every line parses
     assert [r["update"] for r in resumed] == list(range(1, 9))  # each update exactly once
     # the re-run step 3 (from step 2's checkpoint) reproduces the original step 3
@@ -216,7 +216,7 @@ def test_trainer_state_restores_optimizer_and_rng(saved):
     model = common.load_model(str(_ck(saved["run"], 3) / "model"), torch.device("cpu"))
     optimizer, scheduler = common.make_optimizer(model, 1e-3, 0.0, 1)
     torch.manual_seed(123)
-    common.load_trainer_state(state, optimizer, scheduler)
+    common.load_trainer_state(state, optimizer, scheduler, model)
     a, b = optimizer.state_dict()["state"], saved["optimizer"].state_dict()["state"]
     assert a.keys() == b.keys() and all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
     assert scheduler.state_dict()["last_epoch"] == 3
@@ -228,21 +228,19 @@ def test_keep_last_never_removes_the_new_or_a_newer_checkpoint(saved):
     common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
     # resumed from an older checkpoint: rewriting step 2 keeps steps 3 and 4 (the run will overwrite them)
     common.save_checkpoint(str(run), 2, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000001", "step_000002", "step_000003",
-                                                       "step_000004"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000001", "step_000002", "step_000003", "step_000004"]
     common.save_checkpoint(str(run), 5, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_000004", "step_000005"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000004", "step_000005"]
 
 
 def test_save_removes_half_written_tmp_folders(saved, capsys):
     run, s = saved["run"], saved
     stale = run / "checkpoints" / ".tmp_step_000009_424242"
     (stale / "model").mkdir(parents=True)
-    (run / "checkpoints" / ".latest.424242").write_text("step_000009")
     capsys.readouterr()
     common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
     assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".")]
-    assert "removed 2 half-written" in capsys.readouterr().out
+    assert "removed 1 half-written" in capsys.readouterr().out
     (run / ".tmp_final_424242").mkdir()
     common.save_final_model(str(run), s["model"], s["tokenizer"])
     assert not [n for n in os.listdir(run) if n.startswith(".")]
@@ -255,7 +253,7 @@ def test_safetensors_completeness_check(saved):
     path.write_bytes(full[:-1])
     assert "truncated" in common._safetensors_problem(str(path))
     path.write_bytes(full[:6])
-    assert "no complete header" in common._safetensors_problem(str(path))
+    assert "truncated or unreadable" in common._safetensors_problem(str(path))
     path.write_bytes(full[:8] + b"{not json" + full[17:])
     assert "unreadable" in common._safetensors_problem(str(path))
 

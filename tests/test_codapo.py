@@ -207,7 +207,7 @@ def _dual_case():
 
 def test_dual_clip_by_hand():
     logp, old, adv, mask = _dual_case()
-    loss, stats = codapo.compute_policy_loss(logp, old, adv, mask, 0.2, 0.2, dual_clip_c=3.0)
+    loss, stats = codapo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip_c=3.0)
     # (A=-2, r=5): PPO max(-A r, -A clip r) = max(10, 2.4) = 10, capped at 3 |A| = 6, gradient 0
     # (A=-2, r=2): max(4, 2.4) = 4 < 6, unaffected: d(-A r)/dlogp = -A r = 4
     # (A=+1, r=5): max(-5, -1.2) = -1.2 (upper clip, gradient 0); the dual clip never touches A > 0
@@ -218,7 +218,7 @@ def test_dual_clip_by_hand():
     assert stats["clipfrac"] == pytest.approx(2 / 3) and stats["clipfrac_low"] == 0.0
     # off: the r = 5, A < 0 token keeps its full loss 10 and gradient -A r = 10
     logp_off = logp.detach().clone().requires_grad_(True)
-    loss_off, stats_off = codapo.compute_policy_loss(logp_off, old, adv, mask, 0.2, 0.2, dual_clip_c=0.0)
+    loss_off, stats_off = codapo.compute_policy_loss(logp_off, old, adv, mask, eps_low=0.2, eps_high=0.2, dual_clip_c=0.0)
     assert loss_off.item() == pytest.approx((10.0 + 4.0 - 1.2) / 3, abs=1e-6)
     loss_off.backward()
     assert torch.allclose(logp_off.grad, torch.tensor([[10.0 / 3, 4.0 / 3], [0.0, 0.0]]), atol=1e-6)
@@ -237,18 +237,18 @@ def test_dual_clip_off_is_the_plain_loss_exactly(loss_agg):
     mask = (torch.arange(T).unsqueeze(0) < torch.tensor([[5], [3], [4], [1], [5], [2]])).float()
     ref = base + torch.randn(B, T) * 0.2
     b = base.clone().requires_grad_(True)
-    loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8)
+    loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8)
     loss_g.backward()
     ratio = torch.exp(base - old)
     assert bool(((ratio > 3) & (adv.unsqueeze(1) < 0) & mask.bool()).any())  # c = 3 would bind in this case
     for c in (0.0, -1.0, 1e6):
         a = base.clone().requires_grad_(True)
-        loss_c, st_c = codapo.compute_policy_loss(a, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8, dual_clip_c=c)
+        loss_c, st_c = codapo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8, dual_clip_c=c)
         loss_c.backward()
         assert torch.equal(loss_c, loss_g) and torch.equal(a.grad, b.grad), c
         assert st_c["clipfrac_dual"] == 0.0 and all(st_c[k] == st_g[k] for k in st_g)
     a = base.clone().requires_grad_(True)
-    loss_3, st_3 = codapo.compute_policy_loss(a, old, adv, mask, 0.2, 0.28, loss_agg, ref, 0.05, 8, dual_clip_c=3.0)
+    loss_3, st_3 = codapo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8, dual_clip_c=3.0)
     assert loss_3.item() < loss_g.item() and st_3["clipfrac_dual"] > 0  # c = 3 caps some A < 0 tokens
     with pytest.raises(ValueError):
         codapo.compute_policy_loss(a, old, adv, mask, dual_clip_c=1.0)

@@ -10,6 +10,7 @@ import torch
 
 import codapo
 import common
+import verifiers
 import compare
 import grpo
 from tests import tiny
@@ -28,14 +29,14 @@ class ScriptedEngine:
 
     def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc=""):
         assert len(prompts) * n == len(self.texts)
-        return common.RolloutBatch([p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts),
+        return common.RolloutBatch.from_rows([p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts),
                                    self.texts, ["stop"] * len(self.texts))
 
 
 def arith_task(tiers, answers, name="arith"):
     problems = [{"question": f"q{i}", "answer": a, **({} if t is None else {"tier": t})}
                 for i, (t, a) in enumerate(zip(tiers, answers))]
-    return common.Task(name, "arith", problems, "")
+    return verifiers.Task(name, "arith", problems, "")
 
 
 # ----------------------------------------------------------------------------------------- per-tier pass@1
@@ -46,7 +47,7 @@ TEXTS = ["3", "3", "5", "1", "0", "0", "9", "0"]
 
 
 def test_pass_at_1_per_tier_by_hand():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), None, arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4,
+    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4,
                                       [2], seed=0)
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
     assert m["eval/tier0/pass@1"] == pytest.approx((1.0 + 0.5) / 2)  # mean over the tier's problems
@@ -59,11 +60,11 @@ def test_pass_at_1_per_tier_by_hand():
 
 
 def test_no_tier_field_no_tier_keys():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), None, arith_task([None] * 4, ANSWERS), [[1]] * 4, 2,
+    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2,
                                       0.6, 4, [2])
     assert not [k for k in m if "tier" in k] and not [r for r in records if "tier" in r]
     # a tier value that cannot be part of a key (a float, a string with '/') is no tier either
-    m, _ = common.evaluate(ScriptedEngine(TEXTS), None, arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2,
+    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2,
                            0.6, 4, [2])
     assert not [k for k in m if "tier" in k]
 
@@ -71,7 +72,7 @@ def test_no_tier_field_no_tier_keys():
 def test_tier_keys_follow_the_per_set_prefix():
     tasks = [arith_task(TIERS, ANSWERS, "arith"), arith_task([3, 3, 3, 3], ANSWERS, "/x/other.jsonl")]
     engine = ScriptedEngine(TEXTS)
-    m, _ = common.evaluate_sets(engine, None, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
+    m, _ = common.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
     assert m["eval/arith/tier0/pass@1"] == pytest.approx(0.75) and m["eval/arith/tier0/n_problems"] == 2
     assert m["eval/other/tier3/pass@1"] == pytest.approx(0.5) and m["eval/other/tier3/n_problems"] == 4
     assert m["eval/tier0/pass@1"] == m["eval/arith/tier0/pass@1"]  # unprefixed keys: the first set's
@@ -79,7 +80,7 @@ def test_tier_keys_follow_the_per_set_prefix():
 
 
 def test_console_and_summary_skip_tier_keys(capsys):
-    m, _ = common.evaluate(ScriptedEngine(TEXTS), None, arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     line = common.console_line(0, 3, m, [k for k in m if "pass@" in k])
     assert "pass@1 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
     common.print_summary("t", m, m, {}, 1.0)

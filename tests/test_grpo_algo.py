@@ -7,6 +7,8 @@ import torch
 
 import common
 import grpo
+import verifiers
+from tests import tiny as tiny_mod
 
 
 def test_advantages_group_scale_by_hand():
@@ -35,7 +37,7 @@ def _loss_case():
 
 def test_policy_loss_token_mean_by_hand():
     logp, old, adv, mask = _loss_case()
-    loss, stats = grpo.compute_policy_loss(logp, old, adv, mask, 0.2, 0.2, "token-mean")
+    loss, stats = grpo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="token-mean")
     # row 0 (A=1): r=1.5 -> max(-1.5, -1.2) = -1.2 (clipped); r=0.5 -> max(-0.5, -0.8) = -0.5
     # row 1 (A=-1): r=1.1 -> 1.1; second token masked. token-mean: (-1.2 - 0.5 + 1.1) / 3 = -0.2
     assert loss.item() == pytest.approx(-0.2, abs=1e-6)
@@ -51,16 +53,16 @@ def test_policy_loss_token_mean_by_hand():
 
 def test_policy_loss_other_aggregations_by_hand():
     logp, old, adv, mask = _loss_case()
-    loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, 0.2, 0.2, "seq-mean-token-mean")
+    loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean")
     assert loss.item() == pytest.approx(((-1.2 - 0.5) / 2 + 1.1) / 2, abs=1e-6)  # 0.125
-    loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, 0.2, 0.2, "seq-mean-token-sum-norm", max_tokens=4)
+    loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-sum-norm", max_tokens=4)
     assert loss.item() == pytest.approx(-0.6 / (2 * 4), abs=1e-6)
 
 
 def test_policy_loss_low_clip_gradient_zero_exactly_where_active():
     logp = torch.log(torch.tensor([[0.7, 0.9, 1.3]])).requires_grad_(True)
     adv = torch.tensor([-2.0])
-    loss, stats = grpo.compute_policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), 0.2, 0.2)
+    loss, stats = grpo.compute_policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), eps_low=0.2, eps_high=0.2)
     # A<0: r=0.7 < 0.8 -> max(1.4, 1.6) = 1.6 clipped (grad 0); r=0.9 -> 1.8; r=1.3 -> max(2.6, 2.4) = 2.6
     assert loss.item() == pytest.approx((1.6 + 1.8 + 2.6) / 3, abs=1e-6)
     assert stats["clipfrac_low"] == pytest.approx(1 / 3)
@@ -147,10 +149,10 @@ def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
     prompts = [common.format_prompt(tok, "What is 1 + 2?"), common.format_prompt(tok, "Hi")]
     torch.manual_seed(0)
     ro = engine.generate(prompts, n=6, max_new_tokens=5, temperature=1.0, progress=False)
-    assert len(ro.completion_ids) == 12
-    assert all(ro.prompt_ids[i] == prompts[i // 6] for i in range(12))  # rows of a prompt contiguous
+    assert len(ro) == 12
+    assert all(ro.prompt(i) == prompts[i // 6] for i in range(12))  # rows of a prompt contiguous
     reasons = set()
-    for ids, reason in zip(ro.completion_ids, ro.finish_reasons):
+    for ids, reason in zip(tiny_mod.completions(ro), ro.finish_reasons):
         reasons.add(reason)
         assert 1 <= len(ids) <= 5
         if reason == "stop":
@@ -160,8 +162,8 @@ def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
     # with left-padded prompts and right-padded completions, trainer log-probs equal the sampler's
     trainer = common.batch_logps(model, ro, range(12), tok.pad_token_id, 1.0, token_budget=64)
     for r in range(12):
-        n = len(ro.completion_ids[r])
-        assert torch.allclose(trainer[r, :n], torch.tensor(ro.engine_logps[r]), atol=1e-4)
+        n = len(ro.completion(r))
+        assert torch.allclose(trainer[r, :n], torch.tensor(ro.engine_logp(r)), atol=1e-4)
         assert (trainer[r, n:] == 0).all()
     assert model.training  # generate and batch_logps restore the mode they found
 
@@ -192,17 +194,17 @@ def test_prompt_sampler_state_roundtrip():
 
 
 def test_arith_train_and_eval_disjoint_and_tiers_mixed():
-    train = common.load_task("arith", "train", seed=0)
-    test = common.load_task("arith", "eval", seed=0)
+    train = verifiers.load_task("arith", "train", seed=0)
+    test = verifiers.load_task("arith", "eval", seed=0)
     assert not {p["question"] for p in train.problems} & {p["question"] for p in test.problems}
-    assert {p["tier"] for p in test.problems} == set(range(common.ARITH_TIERS))
+    assert {p["tier"] for p in test.problems} == set(range(verifiers.ARITH_TIERS))
     for p in test.problems[:50]:
         assert eval(p["question"][len("What is "):-1]) == int(p["answer"])
 
 
 def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
     tok, model = tiny
-    ro = common.RolloutBatch(prompt_ids=[[2, 10], [2, 11], [2, 12]], completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
+    ro = common.RolloutBatch.from_rows(prompt_ids=[[2, 10], [2, 11], [2, 12]], completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
                              texts=["", "", ""], finish_reasons=["length", "stop", "stop"])
     later = common.batch_logps(model, ro, [1, 2], tok.pad_token_id, 1.0, token_budget=64)  # longest row excluded
     assert later.shape == (2, common.completion_mask_of(ro).shape[1]) == (2, 4)
@@ -230,5 +232,5 @@ def test_micro_batch_tokens_auto_and_bad_value():
     assert common.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
     assert common.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
     assert common.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
-    with pytest.raises(common.UserError, match="--micro-batch-tokens must be >= 0"):
-        common.resolve_micro_batch_tokens(-1, torch.device("cpu"))
+    with pytest.raises(common.UserError, match="--micro-batch-tokens -1: must be >= 0"):
+        grpo.Args(micro_batch_tokens=-1)  # the flag is checked when the arguments are built, before any device

@@ -14,6 +14,7 @@ import time
 import pytest
 
 import common
+import verifiers
 
 from tests import tiny
 
@@ -36,7 +37,8 @@ def no_loading(monkeypatch):
             raise Loaded(what)
         return fn
 
-    for name in ("load_task", "load_tokenizer", "load_model", "make_engine", "embedded_model_dir"):
+    monkeypatch.setattr(verifiers, "load_task", stop("load_task"))
+    for name in ("load_tokenizer", "load_model", "make_engine", "embedded_model_dir"):
         monkeypatch.setattr(common, name, stop(name))
     return reached
 
@@ -77,7 +79,7 @@ COMMON_CASES = [
     (["--eval-k", "0"], "--eval-k 0: values must be >= 1"),
     (["--eval-k", "8"], "--eval-k values must be <= --eval-samples"),
     (["--eval-samples", "0"], "--eval-samples 0: must be >= 1"),
-    (["--engine", "tpu"], "--engine tpu: must be auto, vllm or hf"),
+    (["--engine", "tpu"], "invalid choice: 'tpu'"),
     (["--reward", "maths"], "--reward maths: must be auto, arith, math, code"),
     (["--learning-rate", "-1"], "--learning-rate -1.0: must be > 0"),
     (["--eval-limit", "-1"], "--eval-limit -1: must be >= 0"),
@@ -100,18 +102,20 @@ COMMON_CASES = [
     (["--engine", "vllm"], "--engine vllm needs vLLM"),  # the main suite's venv has no vLLM (CPU or GPU build)
 ]
 METHOD_CASES = {
-    "grpo": [(["--scale-rewards", "std"], "--scale-rewards must be group or none"),
-             (["--loss-agg", "mean"], "--loss-agg must be token-mean"),
-             (["--clip-low", "2"], "--clip-low must be in [0, 1]")],
+    "grpo": [(["--scale-rewards", "std"], "invalid choice: 'std'"),
+             (["--loss-agg", "mean"], "invalid choice: 'mean'"),
+             (["--clip-low", "2"], "--clip-low 2.0: must be in [0, 1]")],
     "gapo": [(["--clip-mode", "auto"], "invalid choice: 'auto'"),
              (["--clip-level", "seq"], "invalid choice: 'seq'"),
              (["--scale-rewards", "std"], "invalid choice: 'std'"),
-             (["--clip-high-max", "nan"], "--clip-high-max >= 0")],
-    "mugrpo": [(["--veto-scope", "all"], "--veto-scope must be one of"),
-               (["--behav-logp", "vllm"], "--behav-logp must be trainer or engine")],
-    "codapo": [(["--loss-agg", "mean"], "--loss-agg must be token-mean"),
-               (["--codapo-percentile", "2"], "--codapo-percentile must be in [0, 1]"),
-               (["--codapo-offset", "-1"], "--codapo-offset >= 0")],
+             (["--clip-high-max", "nan"], "--clip-high-max nan: must be finite and >= 0"),
+             (["--clip-high-max", "0.1"], "--clip-high-max 0.1: must be >= --clip-low with --clip-mode adaptive")],
+    "mugrpo": [(["--veto-scope", "all"], "invalid choice: 'all'"),
+               (["--behav-logp", "vllm"], "invalid choice: 'vllm'"),
+               (["--prompts-per-step", "12"], "--prompts-per-step 12: must be a multiple of --updates-per-batch")],
+    "codapo": [(["--loss-agg", "mean"], "invalid choice: 'mean'"),
+               (["--codapo-percentile", "2"], "--codapo-percentile 2.0: must be in [0, 1]"),
+               (["--codapo-offset", "-1"], "--codapo-offset -1.0: must be >= 0")],
 }
 CASES = [(m, f, n) for m in METHODS for f, n in COMMON_CASES + METHOD_CASES.get(m, [])]
 
@@ -203,7 +207,7 @@ GOOD = b'{"question": "1+1?", "answer": "2"}\n'
 def test_jsonl_data_errors_name_file_and_line(content, line, needle, tmp_path):
     path = _write(tmp_path / "data.jsonl", content)
     with pytest.raises(common.UserError) as exc:
-        common.load_task(path, "train", 0)
+        verifiers.load_task(path, "train", 0)
     msg = str(exc.value)
     assert msg.startswith(f"{path}:{line}: ") and needle in msg, msg
     assert "\n" not in msg
@@ -211,30 +215,30 @@ def test_jsonl_data_errors_name_file_and_line(content, line, needle, tmp_path):
 
 def test_utf8_bom_is_accepted(tmp_path):
     path = _write(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + GOOD * 10)
-    assert len(common.load_task(path, "train", 0).problems) == 8  # 2 held out
+    assert len(verifiers.load_task(path, "train", 0).problems) == 8  # 2 held out
 
 
 def test_json_and_gzip_data_errors(tmp_path):
     path = _write(tmp_path / "data.json", b'[\n {"question": "a", "answer": "1"},\n {"question": "b" "answer": "2"}\n]\n')
     with pytest.raises(common.UserError, match=r"data\.json:3: not valid JSON"):
-        common.load_task(path, "train", 0)
+        verifiers.load_task(path, "train", 0)
     path = _write(tmp_path / "items.json", b'[{"question": "a", "answer": "1"}, 7]')
     with pytest.raises(common.UserError, match="item 2 of the list is a int"):
-        common.load_task(path, "train", 0)
+        verifiers.load_task(path, "train", 0)
     path = _write(tmp_path / "columns.json", json.dumps({"question": ["a", "b", "c", "d", "e"],
                                                          "answer": ["1", "2", "3", "4", "5"]}).encode())
-    (held_out,) = common.load_task(path, "eval", 0).problems  # a column dict: 5 rows, 1 held out
+    (held_out,) = verifiers.load_task(path, "eval", 0).problems  # a column dict: 5 rows, 1 held out
     assert held_out["answer"] == str("abcde".index(held_out["question"]) + 1)
     gz = tmp_path / "data.jsonl.gz"
     gz.write_bytes(gzip.compress(GOOD * 200)[:-20])  # cut off
     with pytest.raises(common.UserError, match="cannot read .*data.jsonl.gz"):
-        common.load_task(str(gz), "train", 0)
+        verifiers.load_task(str(gz), "train", 0)
 
 
 def test_rows_without_a_usable_answer_are_counted_not_hidden(tmp_path, capsys):
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(9)] + [{"question": "q", "answer": None}]
     path = tiny.write_jsonl(str(tmp_path / "d.jsonl"), rows)
-    task = common.load_task(path, "train", 0)
+    task = verifiers.load_task(path, "train", 0)
     assert len(task.problems) == 8  # 9 usable rows, 1 held out
     err = capsys.readouterr().err
     assert "skipped 1 of 10 rows" in err and f"{path}:10" in err

@@ -15,6 +15,7 @@ import torch
 import common
 import grpo
 import mugrpo
+from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,10 +122,10 @@ def test_loss_scope_none_tight_clip_equals_grpo_token_mean():
     for beta in (0.0, 0.1):
         a = base.clone().requires_grad_(True)
         keep = mugrpo.veto_mask(a.detach(), old, adv, mask, LOG_DELTA, "none")
-        loss_mu, st_mu = mugrpo.compute_policy_loss(a, old, adv, mask, 0.2, 0.2, keep, ref, beta)
+        loss_mu, st_mu = mugrpo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.2, keep=keep, ref_logp=ref, beta=beta)
         loss_mu.backward()
         b = base.clone().requires_grad_(True)
-        loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, 0.2, 0.2, "token-mean", ref, beta)
+        loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="token-mean", ref_logp=ref, beta=beta)
         loss_g.backward()
         assert loss_mu.item() == pytest.approx(loss_g.item(), rel=1e-6, abs=1e-7)
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
@@ -140,7 +141,7 @@ def test_relaxed_clip_and_keep_mask_by_hand():
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     keep = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # token (1, 1) vetoed, (1, 2) is padding
-    loss, stats = mugrpo.compute_policy_loss(logp, behav, adv, mask, 1.0, 4.0, keep)
+    loss, stats = mugrpo.compute_policy_loss(logp, behav, adv, mask, eps_low=1.0, eps_high=4.0, keep=keep)
     # A>0: r=7 -> max(-7, -5) = -5 (clipped high); r=0.01 -> -0.01 (lower bound 0 never clips); r=2 -> -2
     # A<0: r=7 -> max(7, 5) = 7 (never clipped); r=0.01 vetoed. Denominator: 5 real tokens (before the veto).
     assert loss.item() == pytest.approx((-5 - 0.01 - 2 + 7) / 5, abs=1e-6)
@@ -175,7 +176,7 @@ def test_beta_kl_term_applies_to_vetoed_tokens_too():
     behav = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.0, -2.0 + math.log(2.0)]])
     adv, mask, keep = torch.tensor([-1.0]), torch.ones(1, 2), torch.tensor([[1.0, 0.0]])
-    loss, _ = mugrpo.compute_policy_loss(logp, behav, adv, mask, 1.0, 4.0, keep, ref, beta=0.5)
+    loss, _ = mugrpo.compute_policy_loss(logp, behav, adv, mask, eps_low=1.0, eps_high=4.0, keep=keep, ref_logp=ref, beta=0.5)
     # policy: -A rho = 1 on token 0 only (token 1 vetoed); KL k3 = e^d - d - 1 = [0, 1 - ln 2]; both over n = 2
     assert loss.item() == pytest.approx(1.0 / 2 + 0.5 * (1.0 - math.log(2.0)) / 2, abs=1e-6)
     loss.backward()
@@ -188,7 +189,7 @@ def test_beta_kl_term_applies_to_vetoed_tokens_too():
 
 
 def _packed_batch():
-    rb = common.RolloutBatch([], [], [], [], [])  # with log-probs, as the vLLM engine builds it
+    rb = common.RolloutBatch(with_engine_logps=True)  # as the vLLM engine builds it
     rows = [([5, 6, 7], [300, 301, 2], "a", "stop", [-0.5, -1.25, -0.125]),
             ([5, 6, 7], [40000], "b", "length", torch.tensor([-2.0])),  # HF: a tensor slice
             ([9], [], "", "length", []),
@@ -198,31 +199,31 @@ def _packed_batch():
     return rb, rows
 
 
-def test_rollout_batch_reads_like_the_old_lists():
+def test_rollout_batch_rows():
     rb, rows = _packed_batch()
-    assert len(rb.completion_ids) == len(rb.prompt_ids) == len(rb.engine_logps) == 4
-    assert rb.prompt_ids[1] == [5, 6, 7] and rb.prompt_ids[3] == [9] and rb.prompt_ids[-1] == [9]
-    assert rb.completion_ids[0] == [300, 301, 2] and rb.completion_ids[2] == [] and len(rb.completion_ids[3]) == 2
-    assert all(isinstance(t, int) for t in rb.completion_ids[3])
-    assert rb.completion_ids == [r[1] for r in rows] and rb.prompt_ids == [r[0] for r in rows]
-    assert rb.completion_ids[1:3] == [[40000], []] and list(rb.prompt_ids)[2] == [9]
-    assert rb.engine_logps[0] == [-0.5, -1.25, -0.125] and rb.engine_logps[3] == pytest.approx([-3.0, -0.1])
-    assert rb.engine_logps[3][1] == float(torch.tensor(-0.1, dtype=torch.float32))  # stored as float32
+    assert len(rb) == 4 and rb.has_engine_logps
+    assert rb.prompt(1) == [5, 6, 7] and rb.prompt(3) == [9]
+    assert rb.completion(0) == [300, 301, 2] and rb.completion(2) == [] and len(rb.completion(3)) == 2
+    assert all(isinstance(t, int) for t in rb.completion(3))
+    assert tiny.completions(rb) == [r[1] for r in rows] and tiny.prompts(rb) == [r[0] for r in rows]
+    assert rb.engine_logp(0) == [-0.5, -1.25, -0.125] and rb.engine_logp(3) == pytest.approx([-3.0, -0.1])
+    assert rb.engine_logp(3)[1] == float(torch.tensor(-0.1, dtype=torch.float32))  # stored as float32
     assert rb.texts == ["a", "b", "", "c"] and rb.finish_reasons == ["stop", "length", "length", "stop"]
-    assert rb.completion_ids.lengths().tolist() == [3, 1, 0, 2] and rb.prompt_ids.lengths().tolist() == [3, 3, 1, 1]
-    assert torch.equal(rb.completion_ids.row(3), torch.tensor([1, 70000], dtype=torch.int32))
-    assert torch.equal(rb.engine_logps.flat(), torch.tensor([-0.5, -1.25, -0.125, -2.0, -3.0, -0.1]))
-    with pytest.raises(IndexError):
-        rb.completion_ids[4]
-    # pad_batch and the mask take the views as they took the lists
-    tb = common.pad_batch(rb.prompt_ids, rb.completion_ids, 0)
+    assert rb.completion_lengths.tolist() == [3, 1, 0, 2] and rb.prompt_lengths.tolist() == [3, 3, 1, 1]
+    assert torch.equal(rb.engine_logps_flat(), torch.tensor([-0.5, -1.25, -0.125, -2.0, -3.0, -0.1]))
+    for bad in (4, -1):
+        with pytest.raises(IndexError):
+            rb.completion(bad)
+    # pad_batch and the mask of the rows
+    tb = common.rows_batch(rb, range(4), 0)
     assert tb.input_ids[0].tolist() == [5, 6, 7, 300, 301, 2] and tb.input_ids[3].tolist() == [0, 0, 9, 1, 70000, 0]
     assert common.completion_mask_of(rb).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
-    # the old constructor of lists of rows still works, and gives the same batch
-    again = common.RolloutBatch([r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons,
-                                [list(map(float, r[4])) for r in rows])
-    assert again.prompt_ids == rb.prompt_ids and again.completion_ids == rb.completion_ids
-    assert again.engine_logps == rb.engine_logps and common.RolloutBatch([[1]], [[2]], [], []).engine_logps is None
+    # the constructor of lists of rows gives the same batch
+    again = common.RolloutBatch.from_rows([r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons,
+                                          [list(map(float, r[4])) for r in rows])
+    assert tiny.prompts(again) == tiny.prompts(rb) and tiny.completions(again) == tiny.completions(rb)
+    assert tiny.engine_logps(again) == tiny.engine_logps(rb)
+    assert not common.RolloutBatch.from_rows([[1]], [[2]], [], []).has_engine_logps
 
 
 def test_rollout_batch_is_packed():
@@ -238,9 +239,9 @@ def test_rollout_batch_is_packed():
         rb.append_row([1], [2, 3], "", "stop", [-1.0])  # one log-prob per completion token
     with pytest.raises(ValueError, match="every row or for none"):
         rb.append_row([1], [2], "", "stop", None)
-    assert len(rb.completion_ids) == len(rb.texts) == 4  # a refused row leaves nothing behind
+    assert len(rb) == len(rb.texts) == 4  # a refused row leaves nothing behind
     with pytest.raises(ValueError):
-        common.RolloutBatch([[1], [2]], [[3]], [], [])
+        common.RolloutBatch.from_rows([[1], [2]], [[3]], [], [])
 
 
 def test_rollout_batch_memory_per_token():
@@ -254,7 +255,7 @@ def test_rollout_batch_memory_per_token():
     prompt = list(range(1000, 1100))
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    rb = common.RolloutBatch([], [], [], [], [])
+    rb = common.RolloutBatch(with_engine_logps=True)
     for c, lp in zip(comps, logps):
         rb.append_row(prompt, c.tolist(), "", "stop", lp)
     packed = tracemalloc.get_traced_memory()[0] - before

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests import fake_vllm  # noqa: E402
+from tests import fake_vllm, tiny  # noqa: E402
 from common import VLLMEngine, hf_param_name
 
 EOS = 2
@@ -187,20 +187,20 @@ def test_generate_maps_outputs_to_rollout_batch(fake):
     prompts = [[5, 6, 7], [8, 9]]
     out = eng.generate(prompts, n=3, max_new_tokens=4, temperature=1.0)
     B = 6
-    assert out.prompt_ids == [prompts[0]] * 3 + [prompts[1]] * 3  # rows of one prompt contiguous
-    assert len(out.completion_ids) == len(out.texts) == len(out.finish_reasons) == len(out.engine_logps) == B
+    assert tiny.prompts(out) == [prompts[0]] * 3 + [prompts[1]] * 3  # rows of one prompt contiguous
+    assert len(out) == len(out.texts) == len(out.finish_reasons) == len(tiny.engine_logps(out)) == B
     # fake: completion j has completion_lengths[j] = (3, 5, 1) tokens, then EOS unless max_tokens (4) hit
-    lens = [len(c) for c in out.completion_ids]
+    lens = [len(c) for c in tiny.completions(out)]
     assert lens == [4, 4, 2, 4, 4, 2]
     assert out.finish_reasons == ["stop", "length", "stop"] * 2
-    for c, r in zip(out.completion_ids, out.finish_reasons):
+    for c, r in zip(tiny.completions(out), out.finish_reasons):
         assert (c[-1] == EOS) == (r == "stop")
     # completion order follows CompletionOutput.index (the fake returns them reversed)
     for row in range(B):
         j = row % 3
-        assert out.engine_logps[row] == pytest.approx([-0.01 * (p + 1) - 0.001 * j for p in range(lens[row])])
+        assert out.engine_logp(row) == pytest.approx([-0.01 * (p + 1) - 0.001 * j for p in range(lens[row])])
     # texts decoded with the trainer tokenizer, special tokens (EOS) skipped
-    assert out.texts[0] == " ".join(f"t{t}" for t in out.completion_ids[0] if t >= 3)
+    assert out.texts[0] == " ".join(f"t{t}" for t in out.completion(0) if t >= 3)
     assert "t2" not in out.texts[0]
     assert eng.num_undecodable_sampled == 0
 
@@ -208,7 +208,7 @@ def test_generate_maps_outputs_to_rollout_batch(fake):
 def test_generate_never_samples_masked_ids(fake):
     eng = make_engine(tok_len=10)  # vocab 64 > 10 decodable: 54 ids masked by logit_bias
     out = eng.generate([[5]] * 8, n=3, max_new_tokens=6, temperature=1.0)
-    assert all(t < 10 for c in out.completion_ids for t in c)
+    assert all(t < 10 for c in tiny.completions(out) for t in c)
 
 
 def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
@@ -219,8 +219,8 @@ def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
     (_, payload), = calls(big, "generate")
     assert payload["sampling_params"].kwargs["logit_bias"] is None
     assert eng.num_undecodable_sampled > 0  # sampled, kept as tokens, left out of the texts
-    assert all(len(lp) == len(c) for lp, c in zip(out.engine_logps, out.completion_ids))
-    assert any(2500 in c for c in out.completion_ids) and all("t2500" not in t for t in out.texts)
+    assert all(len(lp) == len(c) for lp, c in zip(tiny.engine_logps(out), tiny.completions(out)))
+    assert any(2500 in c for c in tiny.completions(out)) and all("t2500" not in t for t in out.texts)
 
 
 def test_generate_rejects_abort(monkeypatch):
@@ -313,7 +313,7 @@ def test_sleep_wake_order(fake):
     assert seq[-2:] == [("reset_prefix_cache", None), ("wake_up", ["kv_cache"])]
     assert ("sleep", None) not in seq
     out = eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)  # awake again
-    assert len(out.completion_ids) == 1
+    assert len(out) == 1
 
 
 def test_sleep_is_level_1(fake):
@@ -352,7 +352,7 @@ def test_sleep_wake_on_cpu_build_touch_no_vllm_memory_call(fake_cpu):
     eng.wake(Tiny())
     assert not calls(fake_cpu, "sleep") and not calls(fake_cpu, "wake_up")
     assert calls(fake_cpu, "reload_weights")
-    assert len(eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0).completion_ids) == 1
+    assert len(eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)) == 1
 
 
 # --- make_engine ----------------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def _tokenizer():
 def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
     import common
 
-    eng = common.make_engine("vllm", Tiny(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+    eng = common.make_engine("vllm", Tiny(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3)
     assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
     assert calls(fake_cpu, "LLM.__init__")[0][1]["kwargs"]["dtype"] == "float32"
     assert calls(fake_cpu, "reload_weights")  # first push right after construction
@@ -379,23 +379,25 @@ def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
     class GenModel(Tiny):
         generation_config = None
 
-    eng = common.make_engine("auto", GenModel(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+    eng = common.make_engine("auto", GenModel(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3)
     assert isinstance(eng, common.HFEngine)
     assert not calls(fake_cpu, "LLM.__init__")
 
 
-def test_make_engine_vllm_without_vllm_is_a_user_error(monkeypatch):
+def test_engine_vllm_without_vllm_is_a_user_error(monkeypatch, tmp_path):
+    """Checked once, with the flags, before anything loads (make_engine no longer repeats it)."""
     import common
+    import grpo
 
     monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(common.UserError, match="needs vLLM"):
-        common.make_engine("vllm", Tiny(), _tokenizer(), "/m", 64, 0, 8, 0.3)
+        common.validate_args(grpo.Args(engine="vllm", output_dir=str(tmp_path)))
 
 
 def test_engine_logps_are_finite(fake):
     eng = make_engine()
     out = eng.generate([[5, 6]], n=2, max_new_tokens=3, temperature=1.0)
-    assert all(math.isfinite(x) for row in out.engine_logps for x in row)
+    assert all(math.isfinite(x) for row in tiny.engine_logps(out) for x in row)
 
 
 # --- several processes (torchrun): external_launcher, global group seeds, FSDP2 push, close -------------------
@@ -419,10 +421,10 @@ def test_generate_rejects_bad_group_ids(fake, bad):
 
 
 def _fake_world(monkeypatch, world, rank):
-    dist = torch.distributed
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
+    """The World that init_world would make under torchrun (the engine reads it; no process group is needed)."""
+    import common
+
+    monkeypatch.setattr(common, "_WORLD", common.World(rank, world, rank, torch.device("cpu")))
 
 
 def test_constructor_under_torch_distributed(fake, monkeypatch):
@@ -440,7 +442,7 @@ def test_constructor_under_torch_distributed(fake, monkeypatch):
 
 
 def test_constructor_world_size_1_process_group_is_unchanged(fake, monkeypatch):
-    _fake_world(monkeypatch, 1, 0)  # e.g. the group vLLM itself creates in a single process
+    _fake_world(monkeypatch, 1, 0)  # a plain one-process run
     make_engine()
     (_, payload), = calls(fake, "LLM.__init__")
     assert "distributed_executor_backend" not in payload["kwargs"] and payload["kwargs"]["seed"] == 7

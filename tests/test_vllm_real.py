@@ -36,7 +36,7 @@ if importlib.util.find_spec("vllm") is None:
                 "'vLLM on CPU')", allow_module_level=True)
 
 import common  # noqa: E402
-from tests import fake_vllm  # noqa: E402
+from tests import fake_vllm, tiny  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGP_TOL_MEAN = 1e-4
@@ -58,8 +58,8 @@ def real():
     device = common.pick_device()
     tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
     model = common.load_model(common.EMBEDDED_MODEL, device)
-    engine = common.make_engine("vllm", model, tokenizer, common.resolve_model_path(common.EMBEDDED_MODEL),
-                                MAX_MODEL_LEN, seed=0, gen_batch_size=64, gpu_memory_utilization=0.35)
+    engine = common.make_engine("vllm", model, tokenizer, model_path=common.EMBEDDED_MODEL,
+                                max_model_len=MAX_MODEL_LEN, seed=0, gen_batch_size=64, gpu_memory_utilization=0.35)
     prompts = [common.format_prompt(tokenizer, q) for q in QUESTIONS]
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     yield dict(engine=engine, model=model, tokenizer=tokenizer, prompts=prompts, original=original)
@@ -93,9 +93,9 @@ def hf_greedy(model, tokenizer, prompts, max_tokens):
 @torch.no_grad()
 def logp_diff(model, rollout, pad_id, temperature):
     """mean, max |engine log-prob - trainer completion_logps| over all sampled tokens."""
-    batch = common.pad_batch(rollout.prompt_ids, rollout.completion_ids, pad_id)
+    batch = common.pad_batch(tiny.prompts(rollout), tiny.completions(rollout), pad_id)
     trainer, _ = common.completion_logps(model, batch, temperature, with_entropy=False)
-    d = torch.cat([(torch.tensor(e) - trainer[i, :len(e)].cpu()).abs() for i, e in enumerate(rollout.engine_logps)])
+    d = torch.cat([(torch.tensor(e) - trainer[i, :len(e)].cpu()).abs() for i, e in enumerate(tiny.engine_logps(rollout))])
     return d.mean().item(), d.max().item()
 
 
@@ -117,7 +117,7 @@ def test_greedy_tokens_match_trainer(real):
 def test_engine_logps_match_trainer(real, temperature):
     engine, model, pad = real["engine"], real["model"], real["tokenizer"].pad_token_id
     rollout = engine.generate(real["prompts"], 4, 16, temperature, seed=11, progress=False)
-    assert sum(len(c) for c in rollout.completion_ids) >= 40
+    assert sum(len(c) for c in tiny.completions(rollout)) >= 40
     mean, mx = logp_diff(model, rollout, pad, temperature)
     print(f"T={temperature}: engine vs trainer log-prob |diff| mean {mean:.2e} max {mx:.2e}")
     assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
@@ -130,9 +130,9 @@ def test_seeds_reproduce_and_differ(real):
     a = engine.generate(real["prompts"][:2], 4, 8, 1.0, seed=3, progress=False)
     b = engine.generate(real["prompts"][:2], 4, 8, 1.0, seed=3, progress=False)
     c = engine.generate(real["prompts"][:2], 4, 8, 1.0, seed=4, progress=False)
-    assert a.completion_ids == b.completion_ids
-    assert a.completion_ids != c.completion_ids
-    assert len(set(map(tuple, a.completion_ids[:4]))) > 1  # the n children of one prompt got different seeds
+    assert tiny.completions(a) == tiny.completions(b)
+    assert tiny.completions(a) != tiny.completions(c)
+    assert len(set(map(tuple, tiny.completions(a)[:4]))) > 1  # the n children of one prompt got different seeds
 
 
 def test_seeded_requests_overflowing_one_scheduler_step(real):
@@ -144,7 +144,7 @@ def test_seeded_requests_overflowing_one_scheduler_step(real):
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert 8 * sum(len(p) for p in prompts) > budget  # the condition that split prompts before
     out = engine.generate(prompts, 8, 2, 1.0, seed=5, progress=False)
-    assert len(out.completion_ids) == 128 and all(len(c) >= 1 for c in out.completion_ids)
+    assert len(out) == 128 and all(len(c) >= 1 for c in tiny.completions(out))
 
 
 # --- weight push ------------------------------------------------------------------------------------------
@@ -413,19 +413,19 @@ def test_two_ranks_external_launcher(real, tmp_path):
 
     try:
         reference = one_process([0, 1, 2, 3])  # (a) on the original weights
-        assert [list(c) for c in reference.completion_ids] == by_group("original")
-        assert [list(c) for c in one_process(None).completion_ids] == by_group("original")  # None: today's numbering
+        assert [list(c) for c in tiny.completions(reference)] == by_group("original")
+        assert [list(c) for c in tiny.completions(one_process(None))] == by_group("original")  # None: today's numbering
         changed = two.perturb(model)
         assert any("embed_tokens" in n for n in changed) and len(changed) > 20
         engine.push_weights(model)
         reference = one_process([0, 1, 2, 3])  # (a) after the push
-        assert [list(c) for c in reference.completion_ids] == by_group("pushed")
+        assert [list(c) for c in tiny.completions(reference)] == by_group("pushed")
         mean, mx = logp_diff(model, reference, tok.pad_token_id, two.TEMPERATURE)
         assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
         local = engine.generate([prompts[1], prompts[3]], two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED,
                                 progress=False)  # rank 1's prompts numbered 0, 1: other seeds, other samples
-        assert [list(c) for c in local.completion_ids] != [list(c) for c in reference.completion_ids[2:4]] + \
-            [list(c) for c in reference.completion_ids[6:8]]
+        assert [list(c) for c in tiny.completions(local)] != [list(c) for c in tiny.completions(reference)[2:4]] + \
+            [list(c) for c in tiny.completions(reference)[6:8]]
     finally:
         restore(model, real["original"])
         engine.push_weights(model)

@@ -49,3 +49,18 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return path
+
+
+def prompts(rollout) -> list[list[int]]:
+    """Every row's prompt token ids of a RolloutBatch, as plain lists."""
+    return [rollout.prompt(r) for r in range(len(rollout))]
+
+
+def completions(rollout) -> list[list[int]]:
+    """Every row's completion token ids of a RolloutBatch, as plain lists."""
+    return [rollout.completion(r) for r in range(len(rollout))]
+
+
+def engine_logps(rollout) -> list[list[float]]:
+    """Every row's engine log-probs of a RolloutBatch, as plain lists."""
+    return [rollout.engine_logp(r) for r in range(len(rollout))]

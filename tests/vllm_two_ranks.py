@@ -15,7 +15,6 @@ and writes OUT_DIR/rank<r>.json. The test compares it with one process (world si
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from tests import tiny  # noqa: E402
 
 QUESTIONS = ["What is 12 + 7?", "Name a colour of the sky.", "Say hello in French.", "Count from one to five."]
 N, MAX_NEW, TEMPERATURE, SEED = 2, 12, 1.0, 7
@@ -63,12 +63,13 @@ def perturb(model) -> list[str]:
 
 
 def main(out_dir: str) -> None:
+    os.environ.setdefault("RLVR_DIST_TIMEOUT_S", "240")
     import common
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     t0 = time.time()
-    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=240))
+    common.init_world()  # the process group (gloo on CPU) and the World the engine reads
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     assert world == 2, world
     device = torch.device("cpu")
@@ -87,14 +88,14 @@ def main(out_dir: str) -> None:
     register_fsdp_forward_method(model, "trainer_logps")
 
     def trainer_logps(rollout):
-        batch = common.pad_batch(rollout.prompt_ids, rollout.completion_ids, tokenizer.pad_token_id)
+        batch = common.pad_batch(tiny.prompts(rollout), tiny.completions(rollout), tokenizer.pad_token_id)
         with torch.no_grad():
             lp = model.trainer_logps(batch)
-        return [lp[i, :len(c)].tolist() for i, c in enumerate(rollout.completion_ids)]
+        return [lp[i, :len(c)].tolist() for i, c in enumerate(tiny.completions(rollout))]
 
     t_setup = time.time() - t0
-    engine = common.make_engine("vllm", model, tokenizer, common.resolve_model_path(common.EMBEDDED_MODEL),
-                                MAX_MODEL_LEN, seed=0, gen_batch_size=8, gpu_memory_utilization=0.35)
+    engine = common.make_engine("vllm", model, tokenizer, model_path=common.EMBEDDED_MODEL,
+                                max_model_len=MAX_MODEL_LEN, seed=0, gen_batch_size=8, gpu_memory_utilization=0.35)
     t_engine = time.time() - t0 - t_setup
     groups = list(range(rank, len(QUESTIONS), world))
     prompts = [common.format_prompt(tokenizer, QUESTIONS[g]) for g in groups]
@@ -103,8 +104,8 @@ def main(out_dir: str) -> None:
         return engine.generate(prompts, N, MAX_NEW, TEMPERATURE, seed=SEED, progress=False, group_ids=groups)
 
     def record(r):
-        return {"completion_ids": [list(c) for c in r.completion_ids],
-                "engine_logps": [list(e) for e in r.engine_logps], "trainer_logps": trainer_logps(r)}
+        return {"completion_ids": [list(c) for c in tiny.completions(r)],
+                "engine_logps": [list(e) for e in tiny.engine_logps(r)], "trainer_logps": trainer_logps(r)}
 
     out = {"rank": rank, "world": world, "groups": groups, "engine_world": engine.world_size,
            "executor": type(engine.llm.llm_engine.model_executor).__name__,
