@@ -67,19 +67,30 @@ from common import arg
 class Args(common.Args):  # the common flags (common.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     # CODAPO specific arguments
-    codapo_offset: float = arg(0.1, "offset added to the value: w = c * V_d + offset (official code; the paper's eq. has none)")
+    codapo_offset: float = arg(
+        0.1, "offset added to the value: w = c * V_d + offset (official code; the paper's eq. has none)"
+    )
     codapo_percentile: float = arg(0.75, "select learnable questions with w >= this quantile of the batch's w (CoDaSampling)")
     repeat_count: int = arg(4, "copies of each selected question in the focused step (about 1 / (1 - percentile))")
     codapo_weighting: bool = arg(True, "scale each question's advantages by w (--no-codapo-weighting: w = 1, ablation)")
-    focused_step: bool = arg(True, "follow each broad step by a focused step on the selected questions (--no-focused-step: ablation)")
+    focused_step: bool = arg(
+        True, "follow each broad step by a focused step on the selected questions (--no-focused-step: ablation)"
+    )
     codapo_std_eps: float = arg(1e-6, "epsilon of the group std in the advantage (official 1e-6; grpo.py uses 1e-4)")
     clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low (official recipe 0.2)")
-    clip_high: float = arg(0.2, "eps_high: upper clip bound 1 + eps_high (official 0.2; 0.28 in its DAPO variant, "
-                                "which here is clip-higher only: no dynamic sampling / group filtering)")
-    dual_clip_c: float = arg(0.0, "dual clip for A < 0: cap each token's loss at c |A| (Ye et al. 2020; the official "
-                                  "verl loss uses c = 3); 0 or negative: off (default: the grpo.py loss)")
+    clip_high: float = arg(
+        0.2,
+        "eps_high: upper clip bound 1 + eps_high (official 0.2; 0.28 in its DAPO variant, "
+        "which here is clip-higher only: no dynamic sampling / group filtering)",
+    )
+    dual_clip_c: float = arg(
+        0.0,
+        "dual clip for A < 0: cap each token's loss at c |A| (Ye et al. 2020; the official "
+        "verl loss uses c = 3); 0 or negative: off (default: the grpo.py loss)",
+    )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = arg(
-        "token-mean", "token-mean (official), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)")
+        "token-mean", "token-mean (official), seq-mean-token-mean (GRPO), seq-mean-token-sum-norm (Dr. GRPO)"
+    )
     checks = (  # (flag, test of its value, what it must be): checked with the common flags, before anything loads
         ("codapo_percentile", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
         ("repeat_count", lambda v: v >= 1, "must be >= 1"),
@@ -92,8 +103,9 @@ class Args(common.Args):  # the common flags (common.Args), then this method's o
 
 
 # ALGO LOGIC: advantages
-def compute_advantages(rewards: torch.Tensor, group_size: int, weights: torch.Tensor | None = None,
-                       eps: float = 1e-6) -> torch.Tensor:
+def compute_advantages(
+    rewards: torch.Tensor, group_size: int, weights: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
     """rewards (B,), weights (B // G,) one per group (None: all 1) -> advantages (B,).
 
     A_i = w_q * (r_i - mean_q r) / (std_q r + eps), unbiased std; rows [g*G:(g+1)*G] are group g. With w = 1 and
@@ -108,10 +120,20 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, weights: torch.Te
 
 
 # ALGO LOGIC: policy loss
-def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                        eps_low: float = 0.2, eps_high: float = 0.2, loss_agg: str = "token-mean",
-                        ref_logp: torch.Tensor | None = None, beta: float = 0.0,
-                        max_tokens: int | None = None, dual_clip_c: float = 0.0) -> tuple[torch.Tensor, dict]:
+def compute_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    loss_agg: str = "token-mean",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    max_tokens: int | None = None,
+    dual_clip_c: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate. logp, old_logp, ref_logp, mask: (B, T); advantages (B,). Returns (loss, stats).
 
     dual_clip_c > 1: dual-clip PPO (Ye et al. 2020, arXiv:1912.09729; verl's clip_ratio_c, 3 in the official
@@ -174,8 +196,7 @@ def codapo_confidence(seq_mean_logp: torch.Tensor, group_size: int) -> torch.Ten
     return torch.exp(seq_mean_logp.to(torch.float32).view(-1, group_size).mean(dim=1))
 
 
-def codapo_weights(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, group_size: int,
-                   offset: float = 0.1) -> torch.Tensor:
+def codapo_weights(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, group_size: int, offset: float = 0.1) -> torch.Tensor:
     """One weight per group (B // G,): w_q = c_q * V_d + offset, V_d = 4 p_q (1 - p_q) in [0, 1].
 
     V_d = 1 - 4 (d_q - 1/2)^2 with difficulty d_q = 1 - p_q: 0 for all-right and all-wrong groups, 1 at p = 1/2.
@@ -185,8 +206,12 @@ def codapo_weights(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, group_siz
     return codapo_confidence(seq_mean_logp, group_size) * value_difficulty + offset  # (P,)
 
 
-def codapo_dynamics(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, advantages: torch.Tensor,
-                    unweighted_advantages: torch.Tensor | None = None) -> dict:
+def codapo_dynamics(
+    rewards: torch.Tensor,
+    seq_mean_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    unweighted_advantages: torch.Tensor | None = None,
+) -> dict:
     """The paper's training dynamics for one step (rollout-level; logged on the step's first update row).
 
     rewards, seq_mean_logp (mean_t old_logp_it), advantages: (B,). Per rollout, confidence exp(mean_t old_logp_it)
@@ -206,8 +231,9 @@ def codapo_dynamics(rewards: torch.Tensor, seq_mean_logp: torch.Tensor, advantag
     return out
 
 
-def select_for_resampling(rewards: torch.Tensor, weights: torch.Tensor, group_size: int,
-                          percentile: float = 0.75) -> list[int]:
+def select_for_resampling(
+    rewards: torch.Tensor, weights: torch.Tensor, group_size: int, percentile: float = 0.75
+) -> list[int]:
     """Group indices for the focused step, highest weight first (ties: batch order).
 
     Official rule: w_q >= quantile(w, percentile) over all B // G groups (linear interpolation, as torch.quantile).
@@ -265,24 +291,34 @@ def main(args: Args) -> None:
     run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field,
-                                                                    reward=args.reward)
-    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
-                                           args.eval_limit)
+    train_task = (
+        None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field, reward=args.reward)
+    )
+    eval_tasks = verifiers.load_eval_tasks(
+        args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward, args.eval_limit
+    )
     tokenizer = common.load_tokenizer(model_path)
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
     model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
-                 else None)
+    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
-                     for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
+    eval_prompts = [
+        [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
+        for t in eval_tasks
+    ]  # one list of prompts per eval set
     # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
     max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
-    engine = common.make_engine(args.engine, model, tokenizer, model_path=model_path,
-                                max_model_len=max_prompt_len + args.max_new_tokens, seed=args.seed,
-                                gen_batch_size=args.gen_batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                                return_logps=False)
+    engine = common.make_engine(
+        args.engine,
+        model,
+        tokenizer,
+        model_path=model_path,
+        max_model_len=max_prompt_len + args.max_new_tokens,
+        seed=args.seed,
+        gen_batch_size=args.gen_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        return_logps=False,
+    )
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -301,8 +337,15 @@ def main(args: Args) -> None:
         with timers("eval"):
             engine.wake(model)
             metrics, per_set = common.evaluate_sets(
-                engine, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature, args.max_new_tokens,
-                args.eval_k, seed=common.eval_seed(args.seed))
+                engine,
+                eval_tasks,
+                eval_prompts,
+                args.eval_samples,
+                args.eval_temperature,
+                args.max_new_tokens,
+                args.eval_k,
+                seed=common.eval_seed(args.seed),
+            )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
         common.write_eval(logger, step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
@@ -310,8 +353,13 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
-                             None, metrics, timers.total, time.time() - t_start)
+        common.print_summary(
+            f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
+            None,
+            metrics,
+            timers.total,
+            time.time() - t_start,
+        )
         logger.close()
         return
     if start_step == 0:
@@ -324,16 +372,20 @@ def main(args: Args) -> None:
         with timers("wake"):
             engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
-        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        common.minibatch_generator(args.seed, step))
+        minibatches = common.group_shuffled_minibatches(
+            P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
+        )
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
-            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
-                                               args.system_prompt or None) for p in problems]
+            prompt_ids = [
+                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
+                for p in problems
+            ]
             # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
-                                              args.seed + step, minibatches)
+            rollout = common.generate_rollout(
+                engine, prompt_ids, G, args.max_new_tokens, args.temperature, args.seed + step, minibatches
+            )
         with timers("sleep"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
@@ -353,29 +405,39 @@ def main(args: Args) -> None:
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
-                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
-                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_logp[later_rows] = common.batch_logps(
+                    model, rollout, later_rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
                 old_ready[later_rows] = True
             ref_logp = None
             if ref_model is not None:  # (B, T), this rank's rows filled
                 ref_logp = torch.zeros_like(mask)
-                ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
-                                                            args.micro_batch_tokens, args.logp_chunk_tokens)
+                ref_logp[rollout.rows] = common.batch_logps(
+                    ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
         # ALGO LOGIC: value w_q, advantages, selection for the focused step (shapes: B = P*G rows, P groups)
         focused = sampler.last_focused  # this batch re-rolls the previous broad step's selection
         seq_mean_logp = (old_logp * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B,) mean_t old_logp_it per rollout
         seq_mean_logp = world.share_rows(seq_mean_logp, rollout.rows)  # torchrun: every rank's rows, on every rank
         weights = codapo_weights(rewards, seq_mean_logp, G, args.codapo_offset)  # (P,) w_q = c_q * 4p(1-p) + offset
-        advantages = compute_advantages(rewards, G, weights if args.codapo_weighting else None,
-                                        args.codapo_std_eps)  # (B,) A_i = w_q (r_i - mean) / (std + eps)
+        advantages = compute_advantages(
+            rewards, G, weights if args.codapo_weighting else None, args.codapo_std_eps
+        )  # (B,) A_i = w_q (r_i - mean) / (std + eps)
         p_q = success_rate(rewards, G)  # (P,) success rate per group
-        codapo_metrics = {"codapo/weight_mean": weights.mean().item(), "codapo/weight_max": weights.max().item(),
-                      "codapo/confidence_mean": codapo_confidence(seq_mean_logp, G).mean().item(),
-                      "codapo/learnable_frac": ((p_q > 0) & (p_q < 1)).float().mean().item(),
-                      "codapo/focused_step": float(focused),
-                      f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item()}
-        codapo_metrics |= codapo_dynamics(rewards, seq_mean_logp, advantages,  # confidence by class, mean |A|
-                                      compute_advantages(rewards, G, None, args.codapo_std_eps))
+        codapo_metrics = {
+            "codapo/weight_mean": weights.mean().item(),
+            "codapo/weight_max": weights.max().item(),
+            "codapo/confidence_mean": codapo_confidence(seq_mean_logp, G).mean().item(),
+            "codapo/learnable_frac": ((p_q > 0) & (p_q < 1)).float().mean().item(),
+            "codapo/focused_step": float(focused),
+            f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item(),
+        }
+        codapo_metrics |= codapo_dynamics(
+            rewards,
+            seq_mean_logp,
+            advantages,  # confidence by class, mean |A|
+            compute_advantages(rewards, G, None, args.codapo_std_eps),
+        )
         if not focused:  # broad step: pick what the next (focused) step re-rolls from the updated policy
             selected = select_for_resampling(rewards, weights, G, args.codapo_percentile)  # group ids, best first
             codapo_metrics["codapo/selected"] = len(selected)
@@ -385,15 +447,16 @@ def main(args: Args) -> None:
                 sampler.set_focus([problem_idx[g] for g in selected])  # pending focus: saved with the sampler state
                 codapo_metrics["codapo/focused_skipped"] = float(not selected)
                 if not selected:  # deliberate change vs the official code: never re-roll saturated questions
-                    tqdm.write(f"step {step}: no learnable question (every group all right or all wrong); "
-                               "focused step skipped, the next step is a broad one")
+                    tqdm.write(
+                        f"step {step}: no learnable question (every group all right or all wrong); "
+                        "focused step skipped, the next step is a broad one"
+                    )
         # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
             for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
-                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
-                        "approx_kl": 0.0, "entropy": 0.0}
+                sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 dual_clipfrac = 0.0  # share of the mini-batch's tokens capped by the dual clip (A < 0, r > c)
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
@@ -404,10 +467,19 @@ def main(args: Args) -> None:
                     ready = old_ready[micro].unsqueeze(1).to(logp.device)
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
-                    loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
-                                                      eps_low=args.clip_low, eps_high=args.clip_high,
-                                                      loss_agg=args.loss_agg, ref_logp=ref, beta=args.beta,
-                                                      max_tokens=args.max_new_tokens, dual_clip_c=args.dual_clip_c)
+                    loss, stats = compute_policy_loss(
+                        logp,
+                        old,
+                        advantages[micro].to(logp.device),
+                        micro_mask,
+                        eps_low=args.clip_low,
+                        eps_high=args.clip_high,
+                        loss_agg=args.loss_agg,
+                        ref_logp=ref,
+                        beta=args.beta,
+                        max_tokens=args.max_new_tokens,
+                        dual_clip_c=args.dual_clip_c,
+                    )
                     weight = common.accumulation_weight(args.loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()
                     n_tok = micro_mask.sum().item()
@@ -423,9 +495,15 @@ def main(args: Args) -> None:
                 scheduler.step()
                 update += 1
                 dual_metrics = {"codapo/dual_clipfrac": dual_clipfrac} if args.dual_clip_c > 0 else {}  # only when on
-                update_metrics.append({f"losses/{k}": v for k, v in sums.items()} | dual_metrics | {
-                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
-                    "update": update})
+                update_metrics.append(
+                    {f"losses/{k}": v for k, v in sums.items()}
+                    | dual_metrics
+                    | {
+                        "losses/grad_norm": grad_norm.item(),
+                        "charts/learning_rate": scheduler.get_last_lr()[0],
+                        "update": update,
+                    }
+                )
         # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
@@ -435,9 +513,12 @@ def main(args: Args) -> None:
             "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
             "rollout/response_len_mean": n_completion_tokens / B,
             "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
-            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
-            "perf/sync_s": timers.step["wake"] + timers.step["sleep"], "perf/wake_s": timers.step["wake"],
-            "perf/sleep_s": timers.step["sleep"], "perf/reward_s": timers.step["reward"],
+            "perf/rollout_s": timers.step["rollout"],
+            "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["wake"] + timers.step["sleep"],
+            "perf/wake_s": timers.step["wake"],
+            "perf/sleep_s": timers.step["sleep"],
+            "perf/reward_s": timers.step["reward"],
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
@@ -447,23 +528,55 @@ def main(args: Args) -> None:
             rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
-        tqdm.write(common.console_line(step, args.total_steps, {**rollout_metrics, **update_metrics[-1]}, [
-            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
-            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        tqdm.write(
+            common.console_line(
+                step,
+                args.total_steps,
+                {**rollout_metrics, **update_metrics[-1]},
+                [
+                    "rollout/reward_mean",
+                    "rollout/response_len_mean",
+                    "losses/policy_loss",
+                    "losses/clipfrac",
+                    "losses/approx_kl",
+                    "losses/entropy",
+                    "perf/rollout_s",
+                    "perf/train_s",
+                ],
+            )
+        )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
             common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
-                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
-                "eval_before": eval_before, "timers": dict(timers.total)}, keep_last=args.keep_last)
+            common.save_checkpoint(
+                run_dir,
+                step,
+                model,
+                tokenizer,
+                optimizer,
+                scheduler,
+                {
+                    "sampler": sampler.state_dict(),
+                    "update": update,
+                    "wall_s": time.time() - t_start,
+                    "eval_before": eval_before,
+                    "timers": dict(timers.total),
+                },
+                keep_last=args.keep_last,
+            )
     bar.close()
     final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
-                         eval_before, eval_after, timers.total, wall)
+    common.print_summary(
+        f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+        eval_before,
+        eval_after,
+        timers.total,
+        wall,
+    )
     print(f"final model: {final_dir}")
     logger.close()
 

@@ -37,8 +37,9 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,8 +83,13 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_model(name: str, device: torch.device, gradient_checkpointing: bool = False, trainable: bool = True,
-               compute_dtype: torch.dtype | None | str = "auto"):
+def load_model(
+    name: str,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+    compute_dtype: torch.dtype | None | str = "auto",
+):
     """Causal LM on `device`. `compute_dtype` ("auto": bf16 on CUDA, None on CPU) is the autocast dtype of its
     forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
 
@@ -103,19 +109,26 @@ def load_model(name: str, device: torch.device, gradient_checkpointing: bool = F
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
         model.train()
-        dropout = {k: v for k, v in model.config.to_dict().items()
-                   if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+        dropout = {
+            k: v
+            for k, v in model.config.to_dict().items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+        }
         if dropout:
-            print(f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
-                  "training-mode forward passes then differ from the sampler's (docs/precision.md)", flush=True)
+            print(
+                f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
+                "training-mode forward passes then differ from the sampler's (docs/precision.md)",
+                flush=True,
+            )
     else:
         model.eval()
         model.requires_grad_(False)
     return model
 
 
-def model_dtypes(device: torch.device, trainable: bool = True,
-                 compute_dtype: torch.dtype | None | str = "auto") -> tuple[torch.dtype, torch.dtype | None]:
+def model_dtypes(
+    device: torch.device, trainable: bool = True, compute_dtype: torch.dtype | None | str = "auto"
+) -> tuple[torch.dtype, torch.dtype | None]:
     """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
     compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
     if compute_dtype == "auto":
@@ -213,23 +226,31 @@ class RolloutBatch:
     def from_rows(cls, prompt_ids, completion_ids, texts=(), finish_reasons=(), engine_logps=None) -> RolloutBatch:
         """A batch of lists of rows (tests, benchmarks); `texts` and `finish_reasons` are kept as given."""
         if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
-            raise ValueError(f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
-                             f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows")
+            raise ValueError(
+                f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
+                f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows"
+            )
         batch = cls(with_engine_logps=engine_logps is not None)
         for r in range(len(prompt_ids)):
             batch.append_row(prompt_ids[r], completion_ids[r], "", "", None if engine_logps is None else engine_logps[r])
         batch.texts, batch.finish_reasons = list(texts), list(finish_reasons)
         return batch
 
-    def append_row(self, prompt: Sequence[int], completion: Sequence[int], text: str, finish_reason: str,
-                   logps: Sequence[float] | torch.Tensor | None = None) -> None:
+    def append_row(
+        self,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        text: str,
+        finish_reason: str,
+        logps: Sequence[float] | torch.Tensor | None = None,
+    ) -> None:
         """Add one generated row; `logps` (one per completion token) iff the batch holds log-probs."""
         if (logps is None) != (self._logp_values is None):
             raise ValueError("a RolloutBatch holds log-probs for every row or for none")
         if logps is not None and len(logps) != len(completion):
             raise ValueError(f"{len(logps)} log-probs for a completion of {len(completion)} tokens")
         prompt, completion = array.array(_INT32, prompt), array.array(_INT32, completion)  # checked before storing
-        last = self._prompt_values[self._prompt_offsets[-2]:] if len(self._prompt_offsets) > 1 else None
+        last = self._prompt_values[self._prompt_offsets[-2] :] if len(self._prompt_offsets) > 1 else None
         if prompt != last:  # consecutive rows of one prompt share one stored copy
             self._prompt_values.extend(prompt)
             self._prompt_offsets.append(len(self._prompt_values))
@@ -245,7 +266,7 @@ class RolloutBatch:
         return len(self._prompt_index)
 
     def _row(self, values: array.array, offsets: array.array, i: int) -> list:
-        return values[offsets[i]:offsets[i + 1]].tolist()
+        return values[offsets[i] : offsets[i + 1]].tolist()
 
     def _check(self, r: int) -> int:
         if not 0 <= operator.index(r) < len(self):
@@ -278,8 +299,14 @@ class RolloutBatch:
 
     def nbytes(self) -> int:
         """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
-        bufs = [self._prompt_values, self._prompt_offsets, self._prompt_index, self._completion_values,
-                self._completion_offsets, self._logp_values if self._logp_values is not None else array.array("f")]
+        bufs = [
+            self._prompt_values,
+            self._prompt_offsets,
+            self._prompt_index,
+            self._completion_values,
+            self._completion_offsets,
+            self._logp_values if self._logp_values is not None else array.array("f"),
+        ]
         return sum(b.itemsize * len(b) for b in bufs)
 
     @property
@@ -307,9 +334,17 @@ class HFEngine:
         self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 seed: int | None = None, desc: str = "generate", progress: bool = True,
-                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        desc: str = "generate",
+        progress: bool = True,
+        group_ids: Sequence[int] | None = None,
+    ) -> RolloutBatch:
         """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
         engines with per-request seeds). Several processes: every rank must pass the same number of prompts
         (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
@@ -318,8 +353,9 @@ class HFEngine:
         with torch.no_grad() if world().enabled else torch.inference_mode():
             return self._generate(prompt_ids, n, max_new_tokens, temperature, desc, progress)
 
-    def _generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                  desc: str, progress: bool) -> RolloutBatch:
+    def _generate(
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, desc: str, progress: bool
+    ) -> RolloutBatch:
         from tqdm.auto import tqdm
         from transformers import GenerationConfig
 
@@ -344,31 +380,47 @@ class HFEngine:
         model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
         try:
             for start in range(0, len(rows), chunk):
-                batch = rows[start:start + chunk]
+                batch = rows[start : start + chunk]
                 width = max(len(r) for r in batch)
                 input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
                 attention = torch.zeros((len(batch), width), dtype=torch.long)
                 for i, r in enumerate(batch):
-                    input_ids[i, width - len(r):] = torch.tensor(r)
-                    attention[i, width - len(r):] = 1
+                    input_ids[i, width - len(r) :] = torch.tensor(r)
+                    attention[i, width - len(r) :] = 1
                 with autocast_context(model):
-                    gen = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                         generation_config=config, synced_gpus=synced)
+                    gen = model.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention.to(device),
+                        generation_config=config,
+                        synced_gpus=synced,
+                    )
                 new_tokens = gen.sequences[:, width:].cpu()
                 if self.return_logps:
                     # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
-                    step_logps = torch.stack([
-                        torch.log_softmax(s.float(), dim=-1).gather(1, new_tokens[:, t:t + 1].to(s.device)).squeeze(1).cpu()
-                        for t, s in enumerate(gen.scores)], dim=1)
+                    step_logps = torch.stack(
+                        [
+                            torch.log_softmax(s.float(), dim=-1)
+                            .gather(1, new_tokens[:, t : t + 1].to(s.device))
+                            .squeeze(1)
+                            .cpu()
+                            for t, s in enumerate(gen.scores)
+                        ],
+                        dim=1,
+                    )
                 for i in range(len(batch)):
                     toks = new_tokens[i].tolist()
                     end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
                     if end is None:
                         completion, reason = toks, "length"
                     else:
-                        completion, reason = toks[:end + 1], "stop"
-                    out.append_row(batch[i], completion, self.tokenizer.decode(completion, skip_special_tokens=True),
-                                   reason, step_logps[i, :len(completion)] if self.return_logps else None)
+                        completion, reason = toks[: end + 1], "stop"
+                    out.append_row(
+                        batch[i],
+                        completion,
+                        self.tokenizer.decode(completion, skip_special_tokens=True),
+                        reason,
+                        step_logps[i, : len(completion)] if self.return_logps else None,
+                    )
                 bar.update(len(batch))
         finally:
             bar.close()
@@ -383,9 +435,17 @@ class HFEngine:
         from transformers import GenerationConfig
 
         return GenerationConfig(
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
-            return_dict_in_generate=True, output_scores=self.return_logps)
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=self.return_logps,
+        )
 
     def push_weights(self, model) -> None:  # same object: nothing to copy
         return None
@@ -397,35 +457,54 @@ class HFEngine:
         return None
 
 
-def make_engine(kind: str, model, tokenizer, *, model_path: str, max_model_len: int, seed: int, gen_batch_size: int,
-                gpu_memory_utilization: float, return_logps: bool = False):
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    *,
+    model_path: str,
+    max_model_len: int,
+    seed: int,
+    gen_batch_size: int,
+    gpu_memory_utilization: float,
+    return_logps: bool = False,
+):
     """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
     `return_logps` asks the HF engine for them too."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-        return VLLMEngine.colocated(model, tokenizer, resolve_model_path(model_path), max_model_len, seed,
-                                    gpu_memory_utilization)
+        return VLLMEngine.colocated(
+            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization
+        )
     return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
 
 
 # ----- the rollout of one step
 
 
-def group_shuffled_minibatches(num_prompts: int, group_size: int, num_minibatches: int,
-                               generator: torch.Generator) -> list[list[int]]:
+def group_shuffled_minibatches(
+    num_prompts: int, group_size: int, num_minibatches: int, generator: torch.Generator
+) -> list[list[int]]:
     """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
     order = torch.randperm(num_prompts, generator=generator).tolist()
     per = math.ceil(num_prompts / num_minibatches)
     out = []
     for m in range(num_minibatches):
-        groups = order[m * per:(m + 1) * per]
+        groups = order[m * per : (m + 1) * per]
         if groups:
             out.append([g * group_size + i for g in groups for i in range(group_size)])
     return out
 
 
-def generate_rollout(engine, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
-                     seed: int, minibatches: Sequence[Sequence[int]]):
+def generate_rollout(
+    engine,
+    prompt_ids: Sequence[Sequence[int]],
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    minibatches: Sequence[Sequence[int]],
+):
     """n completions for each of the P prompts. World size 1: engine.generate on all of them (a RolloutBatch).
     Several processes: each rank generates the groups that World.deal_groups gives it from the mini-batch plan
     (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
@@ -433,8 +512,7 @@ def generate_rollout(engine, prompt_ids: Sequence[Sequence[int]], n: int, max_ne
     if not w.enabled:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
     groups = w.deal_groups(minibatches, n)
-    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed,
-                            group_ids=groups)
+    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed, group_ids=groups)
     return ShardedRollout(local, groups, len(prompt_ids), n)
 
 
@@ -461,7 +539,7 @@ def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None)
     T = max(1, max(int(lengths[r]) for r in rows))
     mask = torch.zeros((len(rows), T))
     for i, r in enumerate(rows):
-        mask[i, :int(lengths[r])] = 1
+        mask[i, : int(lengths[r])] = 1
     return mask
 
 
@@ -488,13 +566,13 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
     comp_mask = torch.zeros((B, T), dtype=torch.float32)
     comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        attention[i, P - len(p):P] = 1
+        input_ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        attention[i, P - len(p) : P] = 1
         if len(c):
-            input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attention[i, P:P + len(c)] = 1
-            comp_mask[i, :len(c)] = 1
-            comp_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+            input_ids[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
+            attention[i, P : P + len(c)] = 1
+            comp_mask[i, : len(c)] = 1
+            comp_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
     return TokenBatch(input_ids, attention, comp_mask, comp_ids)
 
 
@@ -525,8 +603,14 @@ def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int
 # ----- per-token log-probs
 
 
-def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        targets: torch.Tensor, temperature: float, softcap: float | None):
+def _chunk_logp_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    softcap: float | None,
+):
     """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
     logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
     logits = F.linear(hidden, weight, bias).float()
@@ -541,8 +625,9 @@ def _chunk_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     return logp, entropy
 
 
-def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
-                     with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def completion_logps(
+    model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
 
     Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
@@ -555,8 +640,9 @@ def completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens:
     return _completion_logps(model, batch, temperature, chunk_tokens, with_entropy)
 
 
-def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256,
-                      with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _completion_logps(
+    model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
@@ -564,9 +650,10 @@ def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens
     T = batch.completion_ids.shape[1]
     body = getattr(model, model.base_model_prefix)
     with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
-        hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                      use_cache=False).last_hidden_state  # (B, L, H)
-    hidden = hidden[:, -T - 1:-1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
+        hidden = body(
+            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, L, H)
+    hidden = hidden[:, -T - 1 : -1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     mask = batch.completion_mask.to(device).bool()
@@ -574,12 +661,13 @@ def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens
     flat_targets = batch.completion_ids.to(device)[mask]
     logps, ents = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h = flat_hidden[start:start + chunk_tokens]
-        y = flat_targets[start:start + chunk_tokens]
+        h = flat_hidden[start : start + chunk_tokens]
+        y = flat_targets[start : start + chunk_tokens]
         with autocast_context(model):  # the recompute in backward restores the same autocast state
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
-                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False)
+                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False
+                )
             else:
                 lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
         logps.append(lp)
@@ -594,8 +682,15 @@ def _completion_logps(model, batch: TokenBatch, temperature: float, chunk_tokens
 
 
 @torch.no_grad()
-def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, temperature: float,
-                token_budget: int, chunk_tokens: int = 256) -> torch.Tensor:
+def batch_logps(
+    model,
+    rollout: RolloutBatch,
+    rows: Sequence[int],
+    pad_id: int,
+    temperature: float,
+    token_budget: int,
+    chunk_tokens: int = 256,
+) -> torch.Tensor:
     """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
     completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
     T = max(1, int(rollout.completion_lengths.max()))
@@ -606,17 +701,17 @@ def batch_logps(model, rollout: RolloutBatch, rows: Sequence[int], pad_id: int, 
     model.eval()
     try:
         for mb in micro_batches(list(rows), lengths, token_budget):
-            lp, _ = completion_logps(model, rows_batch(rollout, mb, pad_id), temperature, chunk_tokens,
-                                     with_entropy=False)
+            lp, _ = completion_logps(model, rows_batch(rollout, mb, pad_id), temperature, chunk_tokens, with_entropy=False)
             for j, r in enumerate(mb):
-                out[position[r], :lp.shape[1]] = lp[j].cpu()
+                out[position[r], : lp.shape[1]] = lp[j].cpu()
     finally:
         model.train(was_training)
     return out
 
 
-def accumulation_weight(loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int,
-                        minibatch_rows: int) -> float:
+def accumulation_weight(
+    loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int, minibatch_rows: int
+) -> float:
     """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss, so that
     gradient accumulation gives the same gradient as one pass over the whole mini-batch (token-mean:
     divide by the mini-batch's token count, not each micro-batch's)."""
@@ -635,10 +730,12 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
     params = [p for p in model.parameters() if p.requires_grad]
     low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
     if low:
-        warnings.warn(f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
-                      "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)")
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                for p in params)
+        warnings.warn(
+            f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
+            "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)",
+            stacklevel=2,
+        )
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
     return opt, sched
@@ -654,8 +751,10 @@ def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
 def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
     """RunError for a non-finite gradient norm (the global norm: every rank raises the same line)."""
     if not torch.isfinite(grad_norm):
-        error = RunError(f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
-                         "the data; the last checkpoint is intact")
+        error = RunError(
+            f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
+            "the data; the last checkpoint is intact"
+        )
         error.on_every_rank = True
         raise error
 
@@ -701,8 +800,9 @@ class RunLogger:
     --track; args.json once. Several processes: rank 0 writes every file, the other ranks none. The evaluation files
     and the rollout dump: write_eval, write_rollouts (Part B)."""
 
-    def __init__(self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False,
-                 project: str = "rlvr-reference"):
+    def __init__(
+        self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False, project: str = "rlvr-reference"
+    ):
         self.run_dir = run_dir
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         self.tb = self.wandb = None
@@ -725,8 +825,13 @@ class RunLogger:
                 import wandb
             except ImportError:
                 raise UserError("--track needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(project=project, name=os.path.basename(run_dir), config=dataclasses.asdict(args),
-                                    resume="allow", id=os.path.basename(run_dir))
+            self.wandb = wandb.init(
+                project=project,
+                name=os.path.basename(run_dir),
+                config=dataclasses.asdict(args),
+                resume="allow",
+                id=os.path.basename(run_dir),
+            )
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -826,12 +931,18 @@ class Args:
 
     model: str = arg(EMBEDDED_MODEL, "hub id, local HF folder, or the embedded alias smollm2-135m")
     dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
-    eval_dataset: list[str] = arg([], "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
-                                      "several: eval/<set>/pass@k each, eval/pass@k = the first set")
+    eval_dataset: list[str] = arg(
+        [],
+        "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
+        "several: eval/<set>/pass@k each, eval/pass@k = the first set",
+    )
     question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
     answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
-    reward: str = arg("auto", "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
-                              "or your own fn(completion, problem) -> float as module:function or path.py:function")
+    reward: str = arg(
+        "auto",
+        "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
+        "or your own fn(completion, problem) -> float as module:function or path.py:function",
+    )
     system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
     engine: Literal["auto", "vllm", "hf"] = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
     seed: int = arg(1, "random seed")
@@ -846,12 +957,15 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
     beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
-    micro_batch_tokens: int = arg(0, "token budget (rows x padded length) of one forward/backward micro-batch; "
-                                     "0: 1024 on CPU, 16384 on a GPU")
+    micro_batch_tokens: int = arg(
+        0, "token budget (rows x padded length) of one forward/backward micro-batch; 0: 1024 on CPU, 16384 on a GPU"
+    )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
-    gradient_checkpointing: bool = arg(False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)")
+    gradient_checkpointing: bool = arg(
+        False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
+    )
     eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
     eval_samples: int = arg(4, "samples per evaluation problem (n)")
     eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
@@ -865,8 +979,11 @@ class Args:
     run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
     track: bool = arg(False, "log to Weights & Biases")
     wandb_project: str = arg("rlvr-reference", "W&B project")
-    log_rollouts_every: int = arg(0, "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
-                                     "finish reason) to <run>/rollouts.jsonl (0: off)")
+    log_rollouts_every: int = arg(
+        0,
+        "every N steps, append every rollout (prompt, completion, reward, advantage, length, "
+        "finish reason) to <run>/rollouts.jsonl (0: off)",
+    )
     config: str = arg("", "replay a run: its args.json (or a YAML file); flags on the command line override it")
 
     checks = ()  # the script's own rows (field, test, what the value must be), checked after ARG_CHECKS
@@ -882,8 +999,11 @@ def _is_num(v) -> bool:
 # (field, test of its value, what the value must be); a test with two parameters also gets the args (a bound
 # that depends on another flag). Flat on purpose: a new flag adds one line. Enums are Literal types instead.
 ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
-    ("reward", lambda v: v in verifiers.BUILTIN_REWARDS or ":" in v,
-     "must be auto, arith, math, code, or your own function as module:function or path.py:function"),
+    (
+        "reward",
+        lambda v: v in verifiers.BUILTIN_REWARDS or ":" in v,
+        "must be auto, arith, math, code, or your own function as module:function or path.py:function",
+    ),
     ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
     ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
     ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),
@@ -936,16 +1056,23 @@ def _check_cross(args) -> str | None:
         return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
     P, M = args.prompts_per_step, args.updates_per_batch
     if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
-        return (f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
-                f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})")
+        return (
+            f"--updates-per-batch {M} needs --prompts-per-step to split into {M} non-empty mini-batches of whole "
+            f"prompt groups; {P} prompts give {math.ceil(P / math.ceil(P / M))} (use a multiple of {M})"
+        )
     W = env_world_size()
     if W > 1 and any(n % W for n in minibatch_group_counts(P, M)):  # whole groups, dealt evenly to the ranks
-        return (f"--prompts-per-step {P} in {M} mini-batch(es) gives {minibatch_group_counts(P, M)} prompt groups "
-                f"per mini-batch; with {W} processes each must be a multiple of {W}: use --prompts-per-step a "
-                f"multiple of {M * W}")
+        return (
+            f"--prompts-per-step {P} in {M} mini-batch(es) gives {minibatch_group_counts(P, M)} prompt groups "
+            f"per mini-batch; with {W} processes each must be a multiple of {W}: use --prompts-per-step a "
+            f"multiple of {M * W}"
+        )
     if args.resume and not os.path.isdir(args.resume):
-        return (f"--resume {args.resume}: " + ("is a file" if os.path.exists(args.resume) else "no such folder")
-                + "; pass a run folder or one of its checkpoints/step_N folders")
+        return (
+            f"--resume {args.resume}: "
+            + ("is a file" if os.path.exists(args.resume) else "no such folder")
+            + "; pass a run folder or one of its checkpoints/step_N folders"
+        )
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -974,8 +1101,7 @@ def _check_output_dir(args) -> str | None:
         if os.path.exists(run_dir) and not os.path.isdir(run_dir):
             return f"run folder {run_dir} is a file; pick another --run-name"
         if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            return (f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or pick another "
-                    "--run-name")
+            return f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or pick another --run-name"
     return None
 
 
@@ -984,8 +1110,9 @@ def _check_model_arg(args) -> str | None:
     if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
         return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
     if os.path.isdir(name):
-        problem = hf_folder_problem(checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json"))
-                                    else name)
+        problem = hf_folder_problem(
+            checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
+        )
         return f"--model {name}: {problem}" if problem else None
     if os.path.exists(name):
         return f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
@@ -1010,9 +1137,11 @@ def run_cli(main: Callable, args_cls: type) -> None:
             print(f"error: {exc}", file=sys.stderr)
         code = 2 if isinstance(exc, UserError) else 1
     except torch.OutOfMemoryError:
-        print("error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
-              "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
-              file=sys.stderr)
+        print(
+            "error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
+            "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
+            file=sys.stderr,
+        )
         sys.exit(3)
     except KeyboardInterrupt:
         print("interrupted; resume with --resume <run dir>", file=sys.stderr)
@@ -1048,8 +1177,11 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
     if rest:
         raise UserError(f"unknown argument(s): {' '.join(rest)} (see --help)")
     if values.get("exp_name") not in (None, args_cls.exp_name) and args.exp_name == values["exp_name"]:
-        print(f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps "
-              f"(pass --exp-name to change it)", file=sys.stderr)
+        print(
+            f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps "
+            f"(pass --exp-name to change it)",
+            file=sys.stderr,
+        )
     return args
 
 
@@ -1073,8 +1205,9 @@ def load_config(path: str, args_cls: type) -> dict:
         try:
             import yaml
         except ImportError:
-            raise UserError(f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); "
-                            "or pass the run's args.json") from None
+            raise UserError(
+                f"--config {path}: reading YAML needs PyYAML (pip install pyyaml); or pass the run's args.json"
+            ) from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -1094,17 +1227,25 @@ def load_config(path: str, args_cls: type) -> dict:
     if unknown:
         script = fields["exp_name"].default if "exp_name" in fields else args_cls.__name__
         origin = data.get("exp_name")
-        hint = (f"; the file is from exp_name {origin!r} and method-specific arguments do not carry over to "
-                f"{script}.py" if origin not in (None, script) else "")
-        raise UserError(f"--config {path}: unknown argument{'s' if len(unknown) > 1 else ''} "
-                        f"{', '.join(map(repr, unknown))} for {script}.py{hint}")
+        hint = (
+            f"; the file is from exp_name {origin!r} and method-specific arguments do not carry over to {script}.py"
+            if origin not in (None, script)
+            else ""
+        )
+        raise UserError(
+            f"--config {path}: unknown argument{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))} for {script}.py{hint}"
+        )
     values = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name in NOT_REPLAYED:
             if value and name != "config":
-                print(f"note: --config {path}: {name} {value!r} is not replayed (a replay is a new run); pass "
-                      f"--{name.replace('_', '-')} on the command line to set it", file=sys.stderr)
+                print(
+                    f"note: --config {path}: {name} {value!r} is not replayed (a replay is a new run); pass "
+                    f"--{name.replace('_', '-')} on the command line to set it",
+                    file=sys.stderr,
+                )
             continue
         values[name] = _config_value(path, name, value, hints[name])
     return values
@@ -1117,8 +1258,9 @@ def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
     def check(v, t):
         if typing.get_origin(t) is Literal:  # argparse does not check a default against the choices
             if v not in typing.get_args(t):
-                raise UserError(f"--config {path}: {name} must be one of {', '.join(map(str, typing.get_args(t)))}, "
-                                f"not {v!r:.60}")
+                raise UserError(
+                    f"--config {path}: {name} must be one of {', '.join(map(str, typing.get_args(t)))}, not {v!r:.60}"
+                )
             return v
         if t is bool:
             ok = isinstance(v, bool)
@@ -1210,8 +1352,7 @@ class World:
 
     World size 1 (plain `python`): no process group; every method is the identity on its input."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 device: torch.device | None = None):
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, device: torch.device | None = None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
         self._closers: list[Callable[[], None]] = []  # run by shutdown() before the process group goes
@@ -1232,9 +1373,10 @@ class World:
         for mb in minibatches:
             groups = [mb[i] // group_size for i in range(0, len(mb), group_size)]
             if len(groups) % self.world_size:
-                raise RunError(f"a mini-batch of {len(groups)} prompt groups cannot be split evenly over "
-                               f"{self.world_size} processes")
-            mine += groups[self.rank::self.world_size]
+                raise RunError(
+                    f"a mini-batch of {len(groups)} prompt groups cannot be split evenly over {self.world_size} processes"
+                )
+            mine += groups[self.rank :: self.world_size]
         return sorted(mine)
 
     def same_count(self, micro_batches: list[list[int]]) -> list[list[int]]:
@@ -1250,10 +1392,12 @@ class World:
             big = max(range(len(out)), key=lambda i: len(out[i]), default=None)
             if big is None or len(out[big]) < 2:
                 n_rows = sum(len(mb) for mb in out)
-                raise RunError(f"rank {self.rank} has {n_rows} rows for {target} micro-batches: the ranks' "
-                               "shares of the batch are unequal")
+                raise RunError(
+                    f"rank {self.rank} has {n_rows} rows for {target} micro-batches: the ranks' "
+                    "shares of the batch are unequal"
+                )
             half = len(out[big]) // 2
-            out[big:big + 1] = [out[big][:half], out[big][half:]]
+            out[big : big + 1] = [out[big][:half], out[big][half:]]
         return out
 
     # -- collectives (identity at world size 1) ------------------------------------------------
@@ -1352,7 +1496,7 @@ class World:
         for close in closers:  # vLLM's shutdown destroys the default group itself (VLLMEngine.close)
             close()
         if self.enabled and td.is_initialized():
-            td.destroy_process_group()  # without it a 2-rank run sometimes aborted at exit (distributed.md)
+            td.destroy_process_group()  # without it a 2-rank run sometimes aborted at exit (docs/distributed.md)
 
 
 _WORLD = World()
@@ -1402,8 +1546,10 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     body = getattr(model, model.base_model_prefix, None)
     layers = getattr(body, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise UserError(f"cannot find the decoder layers of {type(model).__name__} (expected "
-                        f"model.{model.base_model_prefix}.layers) to shard it over several processes")
+        raise UserError(
+            f"cannot find the decoder layers of {type(model).__name__} (expected "
+            f"model.{model.base_model_prefix}.layers) to shard it over several processes"
+        )
     return layers
 
 
@@ -1445,8 +1591,9 @@ class ShardedRollout:
         self.rows = [g * n + j for g in groups for j in range(n)]  # this rank's global rows, ascending
         B = num_groups * n
         if len(local) != len(self.rows):
-            raise RunError(f"rank {w.rank}: the engine returned {len(local)} rows for "
-                           f"{len(self.rows)} ({len(groups)} groups x {n})")
+            raise RunError(
+                f"rank {w.rank}: the engine returned {len(local)} rows for {len(self.rows)} ({len(groups)} groups x {n})"
+            )
         mine = (self.rows, local.prompt_lengths.tolist(), local.completion_lengths.tolist(), list(local.finish_reasons))
         prompt_len, completion_len = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         self.finish_reasons: list[str] = [""] * B
@@ -1528,8 +1675,15 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
-                 gpu_memory_utilization: float = 0.35, dtype: str = "bfloat16"):
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float = 0.35,
+        dtype: str = "bfloat16",
+    ):
         # In-process engine core: only then does llm.llm_engine.model_executor exist. vLLM reads this env
         # var when the engine is built and caches its env vars after the first EngineCore starts, so set it
         # before importing/creating anything.
@@ -1548,8 +1702,9 @@ class VLLMEngine:
         self.on_cpu = bool(current_platform.is_cpu())
         cpu_scheduling = {}
         if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
-            cpu_scheduling = dict(enable_chunked_prefill=False,
-                                  max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len))
+            cpu_scheduling = dict(
+                enable_chunked_prefill=False, max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len)
+            )
         self.world_size, self.rank = world().world_size, world().rank
         distributed = {}
         if self.world_size > 1:
@@ -1558,12 +1713,17 @@ class VLLMEngine:
             # replicas that generate independently; built by all ranks together (docs/vllm.md, "Several processes")
             missing = [v for v in ("RANK", "LOCAL_RANK") if v not in os.environ]
             if missing:
-                raise RuntimeError(f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment "
-                                   "(set by torchrun)")
+                raise RuntimeError(
+                    f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment (set by torchrun)"
+                )
             if int(os.environ["RANK"]) != self.rank:
                 raise RuntimeError(f"env RANK={os.environ['RANK']} but torch.distributed rank is {self.rank}")
-            distributed = dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                               pipeline_parallel_size=1, data_parallel_size=1)
+            distributed = dict(
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                data_parallel_size=1,
+            )
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -1579,9 +1739,11 @@ class VLLMEngine:
             **distributed,
         )
         if not hasattr(self.llm.llm_engine, "model_executor"):
-            raise RuntimeError("vLLM started its engine core in a separate process "
-                               "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
-                               "in-process weight pushes are impossible")
+            raise RuntimeError(
+                "vLLM started its engine core in a separate process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
+                "in-process weight pushes are impossible"
+            )
         self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
         self._closed = False
 
@@ -1593,24 +1755,35 @@ class VLLMEngine:
         if 0 < len(undecodable) <= _VLLM_MAX_LOGIT_BIAS:
             self._logit_bias = {i: float("-inf") for i in undecodable}
         elif len(undecodable) > _VLLM_MAX_LOGIT_BIAS:
-            print(f"warning: model vocab {vocab_size} exceeds the tokenizer's {self.num_decodable} by more than "
-                  f"{_VLLM_MAX_LOGIT_BIAS} ids: they cannot be masked per request; any sampled one is kept as a "
-                  "token and left out of the text")
+            print(
+                f"warning: model vocab {vocab_size} exceeds the tokenizer's {self.num_decodable} by more than "
+                f"{_VLLM_MAX_LOGIT_BIAS} ids: they cannot be masked per request; any sampled one is kept as a "
+                "token and left out of the text"
+            )
         self.num_undecodable_sampled = 0  # in the last generate() call
 
     @classmethod
-    def colocated(cls, model, tokenizer, model_path: str, max_model_len: int, seed: int,
-                  gpu_memory_utilization: float) -> VLLMEngine:
+    def colocated(
+        cls, model, tokenizer, model_path: str, max_model_len: int, seed: int, gpu_memory_utilization: float
+    ) -> VLLMEngine:
         """The engine of make_engine: on the trainer's device, holding the trainer's weights from the start."""
         # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
         device = next(model.parameters()).device
         on_cuda = device.type == "cuda"
         if on_cuda and world().enabled and device.index != world().local_rank:
             # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
-            raise RuntimeError(f"trainer on {device} but vLLM would use cuda:{world().local_rank} "
-                               "(LOCAL_RANK): put each rank's model on its own GPU first")
-        engine = cls(model_path, tokenizer, max_model_len=max_model_len, seed=seed,
-                     gpu_memory_utilization=gpu_memory_utilization, dtype="bfloat16" if on_cuda else "float32")
+            raise RuntimeError(
+                f"trainer on {device} but vLLM would use cuda:{world().local_rank} "
+                "(LOCAL_RANK): put each rank's model on its own GPU first"
+            )
+        engine = cls(
+            model_path,
+            tokenizer,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype="bfloat16" if on_cuda else "float32",
+        )
         engine.wake(model)  # the trainer's weights are the truth from the first rollout on
         if world().enabled:
             world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
@@ -1642,9 +1815,17 @@ class VLLMEngine:
             logit_bias=self._logit_bias,
         )
 
-    def generate(self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float,
-                 seed: int | None = None, desc: str = "generate", progress: bool = True,
-                 group_ids: Sequence[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        desc: str = "generate",
+        progress: bool = True,
+        group_ids: Sequence[int] | None = None,
+    ) -> RolloutBatch:
         """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
         numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
         group_ids: with global indices a group's completions do not depend on how the prompts are split over
@@ -1700,8 +1881,7 @@ class VLLMEngine:
                 logps = [float(position[t].logprob) for t, position in zip(toks, c.logprobs)]
                 decodable = [t for t in toks if t < self.num_decodable]
                 undecodable += len(toks) - len(decodable)
-                out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason,
-                               logps)
+                out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason, logps)
         self.num_undecodable_sampled = undecodable
         return out
 
@@ -1758,8 +1938,10 @@ class VLLMEngine:
                 pass
             raise RuntimeError(f"vLLM's reload_weights took {took} of {len(named)} parameters: push incomplete")
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM could not reset its prefix cache (requests still running?): "
-                               "cached KV from the old weights would be reused")
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache (requests still running?): "
+                "cached KV from the old weights would be reused"
+            )
 
     def sleep(self) -> None:
         if self._asleep:
@@ -1792,8 +1974,6 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-
-
 def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch.Tensor) -> tuple[float, float] | None:
     """Mean and max |engine log-prob - trainer log-prob| over completion tokens of rows whose trainer
     old log-probs were computed (logged as perf/engine_logp_diff)."""
@@ -1803,7 +1983,7 @@ def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch
     diffs = []
     for r in ready.nonzero().flatten().tolist():  # several processes: ready rows are this rank's own
         eng = torch.tensor(rollout.engine_logp(r), dtype=torch.float32)
-        diffs.append((eng - old_logp[r, :len(eng)]).abs())
+        diffs.append((eng - old_logp[r, : len(eng)]).abs())
     flat = torch.cat(diffs) if diffs else torch.zeros(0)
     if w.enabled:  # token mean and max over every rank's rows
         total, count = w.sum(flat.sum().item()), w.sum(float(flat.numel()))
@@ -1821,8 +2001,16 @@ def is_tier_key(key: str) -> bool:
     return re.search(r"/tier[^/]+/[^/]+$", key) is not None
 
 
-def evaluate(engine, task: verifiers.Task, prompts: list[list[int]], n_samples: int, temperature: float,
-             max_new_tokens: int, ks: Sequence[int], seed: int | None = None) -> tuple[dict, list[dict]]:
+def evaluate(
+    engine,
+    task: verifiers.Task,
+    prompts: list[list[int]],
+    n_samples: int,
+    temperature: float,
+    max_new_tokens: int,
+    ks: Sequence[int],
+    seed: int | None = None,
+) -> tuple[dict, list[dict]]:
     """pass@1 and pass@k over `task.problems` with n samples each. Returns (metrics, per-sample records)."""
     # own RNG stream: the same eval samples before and after training, and training's stream is untouched
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
@@ -1836,8 +2024,15 @@ def evaluate(engine, task: verifiers.Task, prompts: list[list[int]], n_samples: 
         if mine is None:
             rollout = engine.generate(prompts, n_samples, max_new_tokens, temperature, seed=seed, desc="eval")
         else:
-            rollout = engine.generate([prompts[i % N] for i in mine], n_samples, max_new_tokens, temperature,
-                                      seed=seed, desc="eval", group_ids=[i % N for i in mine])
+            rollout = engine.generate(
+                [prompts[i % N] for i in mine],
+                n_samples,
+                max_new_tokens,
+                temperature,
+                seed=seed,
+                desc="eval",
+                group_ids=[i % N for i in mine],
+            )
     problems = [p for p in task.problems for _ in range(n_samples)]
     if mine is None:
         rewards = torch.tensor(verifiers.compute_rewards(task, problems, rollout.texts), dtype=torch.float32)
@@ -1852,14 +2047,18 @@ def evaluate(engine, task: verifiers.Task, prompts: list[list[int]], n_samples: 
             for k, i in enumerate(idx):
                 if i < N:  # padding repeats dropped
                     span = slice(i * n_samples, (i + 1) * n_samples)
-                    rewards[span] = rw[k * n_samples:(k + 1) * n_samples]
-                    completion_lens[span] = ln[k * n_samples:(k + 1) * n_samples]
-                    texts[span] = tx[k * n_samples:(k + 1) * n_samples]
+                    rewards[span] = rw[k * n_samples : (k + 1) * n_samples]
+                    completion_lens[span] = ln[k * n_samples : (k + 1) * n_samples]
+                    texts[span] = tx[k * n_samples : (k + 1) * n_samples]
         rewards = torch.tensor(rewards, dtype=torch.float32)
     correct = (rewards >= 1.0).view(len(task.problems), n_samples)
-    metrics = {"eval/n_samples": n_samples, "eval/temperature": temperature, "eval/n_problems": len(task.problems),
-               "eval/reward_mean": rewards.mean().item(),
-               "eval/response_len_mean": sum(completion_lens) / len(completion_lens)}
+    metrics = {
+        "eval/n_samples": n_samples,
+        "eval/temperature": temperature,
+        "eval/n_problems": len(task.problems),
+        "eval/reward_mean": rewards.mean().item(),
+        "eval/response_len_mean": sum(completion_lens) / len(completion_lens),
+    }
     for k in sorted(set([1, *ks])):
         if k > n_samples:
             continue
@@ -1867,27 +2066,49 @@ def evaluate(engine, task: verifiers.Task, prompts: list[list[int]], n_samples: 
         metrics[f"eval/pass@{k}"] = sum(vals) / len(vals)
     # difficulty bands: problems with a "tier" field (the built-in arith task) also get pass@1 per tier,
     # eval/tier<t>/pass@1 and eval/tier<t>/n_problems (evaluate_sets prefixes them per set like every key)
-    tiers = [t if isinstance(t, int) and not isinstance(t, bool) or isinstance(t, str) and TIER_NAME.fullmatch(t)
-             else None for t in (p.get("tier") for p in task.problems)]  # other values: no tier
+    tiers = [
+        t if isinstance(t, int) and not isinstance(t, bool) or isinstance(t, str) and TIER_NAME.fullmatch(t) else None
+        for t in (p.get("tier") for p in task.problems)
+    ]  # other values: no tier
     if any(t is not None for t in tiers):
         per_problem = correct.float().mean(1).tolist()  # pass@1 of each problem: its share of correct samples
         for t in sorted({t for t in tiers if t is not None}, key=str):
             vals = [v for v, pt in zip(per_problem, tiers) if pt == t]
             metrics[f"eval/tier{t}/pass@1"] = sum(vals) / len(vals)
             metrics[f"eval/tier{t}/n_problems"] = len(vals)
-    records = [{"problem": i, "sample": j, "correct": bool(correct[i, j]),
-                "reward": rewards[i * n_samples + j].item(),
-                **({"tier": tiers[i]} if tiers[i] is not None else {})}
-               for i in range(len(task.problems)) for j in range(n_samples)]
-    samples = [{"question": task.problems[i].get("question", "")[:500], "answer": task.problems[i].get("answer"),
-                "completion": texts[i * n_samples], "reward": rewards[i * n_samples].item()}
-               for i in range(min(4, len(task.problems)))]
+    records = [
+        {
+            "problem": i,
+            "sample": j,
+            "correct": bool(correct[i, j]),
+            "reward": rewards[i * n_samples + j].item(),
+            **({"tier": tiers[i]} if tiers[i] is not None else {}),
+        }
+        for i in range(len(task.problems))
+        for j in range(n_samples)
+    ]
+    samples = [
+        {
+            "question": task.problems[i].get("question", "")[:500],
+            "answer": task.problems[i].get("answer"),
+            "completion": texts[i * n_samples],
+            "reward": rewards[i * n_samples].item(),
+        }
+        for i in range(min(4, len(task.problems)))
+    ]
     return metrics, [records, samples]
 
 
-def evaluate_sets(engine, tasks: Sequence[verifiers.Task], prompts: Sequence[list[list[int]]], n_samples: int,
-                  temperature: float, max_new_tokens: int, ks: Sequence[int],
-                  seed: int | None = None) -> tuple[dict, dict[str, tuple[list[dict], list[dict]]]]:
+def evaluate_sets(
+    engine,
+    tasks: Sequence[verifiers.Task],
+    prompts: Sequence[list[list[int]]],
+    n_samples: int,
+    temperature: float,
+    max_new_tokens: int,
+    ks: Sequence[int],
+    seed: int | None = None,
+) -> tuple[dict, dict[str, tuple[list[dict], list[dict]]]]:
     """`evaluate` on every eval set (same seed for each, so a set's numbers do not depend on the others).
 
     One set: its metrics exactly as `evaluate` returns them (eval/pass@1, ...). Several: every set's metrics
@@ -1895,20 +2116,25 @@ def evaluate_sets(engine, tasks: Sequence[verifiers.Task], prompts: Sequence[lis
     (compare.py and plots read eval/pass@1). Returns (metrics, {label: (records, samples)})."""
     metrics, per_set = {}, {}
     for i, (task, task_prompts) in enumerate(zip(tasks, prompts)):
-        m, (records, samples) = evaluate(engine, task, task_prompts, n_samples, temperature,
-                                         max_new_tokens, ks, seed=seed)
+        m, (records, samples) = evaluate(engine, task, task_prompts, n_samples, temperature, max_new_tokens, ks, seed=seed)
         label = verifiers.eval_set_label(task.name)
         per_set[label] = (records, samples)
         if i == 0:
             metrics.update(m)
         if len(tasks) > 1:
-            metrics.update({f"eval/{label}/{k[len('eval/'):]}": v for k, v in m.items()
-                            if k not in ("eval/n_samples", "eval/temperature")})
+            metrics.update(
+                {
+                    f"eval/{label}/{k[len('eval/') :]}": v
+                    for k, v in m.items()
+                    if k not in ("eval/n_samples", "eval/temperature")
+                }
+            )
     return metrics, per_set
 
 
-def write_samples(logger: RunLogger, step: int, records: list[dict], samples: list[dict], tag: str = "eval",
-              eval_set: str | None = None) -> None:
+def write_samples(
+    logger: RunLogger, step: int, records: list[dict], samples: list[dict], tag: str = "eval", eval_set: str | None = None
+) -> None:
     """samples.jsonl (a few completions) and the per-sample correctness of one eval set:
     eval_correctness_step<step>.jsonl, or eval_correctness_step<step>_<eval_set>.jsonl in a suite."""
     if not logger.enabled:
@@ -1922,6 +2148,7 @@ def write_samples(logger: RunLogger, step: int, records: list[dict], samples: li
         for r in records:
             f.write(json.dumps(r) + "\n")
 
+
 def write_eval(logger: RunLogger, step: int, per_set: dict[str, tuple[list[dict], list[dict]]]) -> None:
     """`write_samples` for every set of `evaluate_sets`; file names carry the set's label only in a suite."""
     for label, (records, samples) in per_set.items():
@@ -1930,16 +2157,20 @@ def write_eval(logger: RunLogger, step: int, per_set: dict[str, tuple[list[dict]
 
 def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
     print(f"\n===== {title} =====")
-    keys = [k for k in (after or before or {}) if k.startswith("eval/") and k.split("/")[-1].startswith("pass@")
-            and not is_tier_key(k)]  # per-tier keys stay in metrics.jsonl
+    keys = [
+        k
+        for k in (after or before or {})
+        if k.startswith("eval/") and k.split("/")[-1].startswith("pass@") and not is_tier_key(k)
+    ]  # per-tier keys stay in metrics.jsonl
     per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
-    for key in (per_set or sorted(keys)):
+    for key in per_set or sorted(keys):
         b = before.get(key) if before else None
         a = after.get(key) if after else None
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
         print(f"{key:{max(14, max(map(len, per_set or keys)))}s} before {fmt(b)}  after {fmt(a)}")
-    print(f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)"
-                                               for k, v in timers.items()))
+    print(
+        f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)" for k, v in timers.items())
+    )
 
 
 def _truncate_jsonl_after_step(path: str, step: int) -> None:
@@ -1960,8 +2191,11 @@ def _truncate_jsonl_after_step(path: str, step: int) -> None:
             if isinstance(row, dict) and row.get("step", 0) <= step:
                 keep.append(raw.rstrip(b"\r\n") + b"\n")
     if torn:
-        print(f"warning: {path}: dropped {len(torn)} unparsable line(s) (line {torn[0]}; a write cut off when the "
-              "run was killed)", file=sys.stderr)
+        print(
+            f"warning: {path}: dropped {len(torn)} unparsable line(s) (line {torn[0]}; a write cut off when the "
+            "run was killed)",
+            file=sys.stderr,
+        )
     tmp = os.path.join(os.path.dirname(path), f".tmp_{os.path.basename(path)}_{os.getpid()}")
     with open(tmp, "wb") as f:
         f.writelines(keep)
@@ -2085,8 +2319,7 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [os.path.join(root, n) for _, n in sorted(steps, reverse=True)]
 
 
-def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict,
-                    keep_last: int = 0) -> str:
+def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict, keep_last: int = 0) -> str:
     """Atomic: everything goes to a temporary folder that is renamed into place; a kill at any point leaves the
     previous checkpoint intact. The optimizer state is a Distributed Checkpoint, written sharded as it is held
     (one process: whole), readable by any world size. `keep_last` > 0 removes older checkpoints so that at most
@@ -2111,15 +2344,24 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     if not w.is_main:
         w.barrier()
         return final
-    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_ranks[0], "step": step, "world_size": w.world_size, **({"rng_ranks": rng_ranks} if w.enabled else {}), **extra},
-               os.path.join(tmp, "trainer_state.pt"))
+    torch.save(
+        {
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_ranks[0],
+            "step": step,
+            "world_size": w.world_size,
+            **({"rng_ranks": rng_ranks} if w.enabled else {}),
+            **extra,
+        },
+        os.path.join(tmp, "trainer_state.pt"),
+    )
     _fsync_tree(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
     if keep_last > 0:
         older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
-        for old in older[keep_last - 1:]:
+        for old in older[keep_last - 1 :]:
             shutil.rmtree(old, ignore_errors=True)
     w.barrier()  # the other ranks wait in save_checkpoint's early return
     return final
@@ -2186,15 +2428,18 @@ def read_checkpoint(ckpt: str) -> tuple[str, dict]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # truncated zip, unpickling error, ...
-        raise ValueError(f"trainer_state.pt is unreadable ({type(exc).__name__}: "
-                         f"{(str(exc).splitlines() or [''])[0][:120]})") from None
+        raise ValueError(
+            f"trainer_state.pt is unreadable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
+        ) from None
     missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"trainer_state.pt lacks {missing[0]!r}")
     if not os.path.isfile(os.path.join(ckpt, OPTIMIZER_DIR, ".metadata")):
-        raise ValueError(f"no {OPTIMIZER_DIR}/.metadata (the optimizer state; a checkpoint of an older version of "
-                         "these scripts keeps it inside trainer_state.pt and cannot be resumed: start a run from its "
-                         "model/ folder with --model)")
+        raise ValueError(
+            f"no {OPTIMIZER_DIR}/.metadata (the optimizer state; a checkpoint of an older version of "
+            "these scripts keeps it inside trainer_state.pt and cannot be resumed: start a run from its "
+            "model/ folder with --model)"
+        )
     state["checkpoint_dir"] = ckpt  # where the optimizer state is read from (not saved again)
     return model_dir, state
 
@@ -2211,14 +2456,18 @@ def find_resume(resume: str, total_steps: int | None = None) -> Resume:
         try:
             model_dir, state = read_checkpoint(path)
         except ValueError as exc:
-            raise UserError(f"--resume {resume}: broken checkpoint ({exc}); pass the run folder "
-                            f"{run_dir} to resume from its newest complete checkpoint") from None
+            raise UserError(
+                f"--resume {resume}: broken checkpoint ({exc}); pass the run folder "
+                f"{run_dir} to resume from its newest complete checkpoint"
+            ) from None
     else:
         run_dir = path
         candidates = checkpoint_dirs(run_dir)
         if not candidates:
-            raise UserError(f"--resume {resume}: no checkpoint found (expected {resume}/checkpoints/step_N); "
-                            "start with --save-every N to write them")
+            raise UserError(
+                f"--resume {resume}: no checkpoint found (expected {resume}/checkpoints/step_N); "
+                "start with --save-every N to write them"
+            )
         broken, found = [], None
         for ckpt in candidates:
             try:
@@ -2229,12 +2478,16 @@ def find_resume(resume: str, total_steps: int | None = None) -> Resume:
         if found is None:
             raise UserError(f"--resume {resume}: no complete checkpoint: {'; '.join(broken)}")
         if broken:
-            print(f"warning: skipped broken checkpoint(s) {'; '.join(broken)}; resuming from "
-                  f"{os.path.basename(found[0])}", file=sys.stderr)
+            print(
+                f"warning: skipped broken checkpoint(s) {'; '.join(broken)}; resuming from {os.path.basename(found[0])}",
+                file=sys.stderr,
+            )
         _, model_dir, state = found
     if total_steps is not None and state["step"] >= total_steps:
-        raise UserError(f"--resume {resume}: the checkpoint is at step {state['step']}, --total-steps is {total_steps}: "
-                        "nothing left to train (raise --total-steps to continue)")
+        raise UserError(
+            f"--resume {resume}: the checkpoint is at step {state['step']}, --total-steps is {total_steps}: "
+            "nothing left to train (raise --total-steps to continue)"
+        )
     _remove_stale_tmp(os.path.join(run_dir, "checkpoints"))
     _remove_stale_tmp(run_dir)
     return Resume(run_dir, model_dir, state)
@@ -2261,8 +2514,16 @@ def load_trainer_state(state: dict | str, optimizer, scheduler, model) -> dict:
     return state
 
 
-def write_rollouts(logger: RunLogger, step: int, tokenizer, rollout, problems: Sequence[dict], rewards: torch.Tensor,
-               advantages: torch.Tensor, group_size: int) -> None:
+def write_rollouts(
+    logger: RunLogger,
+    step: int,
+    tokenizer,
+    rollout,
+    problems: Sequence[dict],
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_size: int,
+) -> None:
     """Append one row per rollout of this step to rollouts.jsonl (--log-rollouts-every): the decoded prompt
     (chat template included), completion, gold answer, reward, advantage, length in tokens, finish reason.
     Each distinct prompt is decoded once; one file open and one json.dumps per row.
@@ -2274,11 +2535,25 @@ def write_rollouts(logger: RunLogger, step: int, tokenizer, rollout, problems: S
         prompt = rollout.prompt(r)
         if prompt != last_ids:
             last_ids, last_text = prompt, tokenizer.decode(prompt)
-        lines.append((r, json.dumps({
-            "step": step, "group": r // group_size, "prompt": last_text, "completion": rollout.texts[i],
-            "answer": problems[r].get("answer"), "reward": rewards[r], "advantage": advantages[r],
-            "length": lengths[r], "finish_reason": rollout.finish_reasons[r]},
-            default=str)))
+        lines.append(
+            (
+                r,
+                json.dumps(
+                    {
+                        "step": step,
+                        "group": r // group_size,
+                        "prompt": last_text,
+                        "completion": rollout.texts[i],
+                        "answer": problems[r].get("answer"),
+                        "reward": rewards[r],
+                        "advantage": advantages[r],
+                        "length": lengths[r],
+                        "finish_reason": rollout.finish_reasons[r],
+                    },
+                    default=str,
+                ),
+            )
+        )
     if world().enabled:
         lines = sorted(line for rank_lines in world().gather_objects(lines) for line in rank_lines)
     if not logger.enabled:
@@ -2340,11 +2615,15 @@ def embedded_model_dir() -> str:
 def _hub_error(name: str, exc: Exception) -> UserError:
     text = f"{type(exc).__name__}: {exc}"
     if "RepositoryNotFound" in text or "404" in text or "is not a valid model identifier" in text:
-        return UserError(f"unknown model '{name}': not a local folder, not the embedded alias '{EMBEDDED_MODEL}', "
-                         "and not a model on the Hugging Face hub")
-    return UserError(f"cannot load model '{name}': not a local folder, not in the local HF cache, and the hub "
-                     f"is unreachable ({text.splitlines()[0][:160]}). Download it where there is network, "
-                     f"pass its local folder, or use --model {EMBEDDED_MODEL}")
+        return UserError(
+            f"unknown model '{name}': not a local folder, not the embedded alias '{EMBEDDED_MODEL}', "
+            "and not a model on the Hugging Face hub"
+        )
+    return UserError(
+        f"cannot load model '{name}': not a local folder, not in the local HF cache, and the hub "
+        f"is unreachable ({text.splitlines()[0][:160]}). Download it where there is network, "
+        f"pass its local folder, or use --model {EMBEDDED_MODEL}"
+    )
 
 
 def _from_pretrained(auto_cls, name: str, **kw):

@@ -29,8 +29,19 @@ from dataclasses import dataclass, field
 ABSENT = "<absent>"
 BANDS = {"minmax": "min-max over seeds", "std": "mean +- sample std over seeds"}
 # arguments that do not change what a run computes, so runs differing only in these are seeds of one config
-BOOKKEEPING = {"seed", "run_name", "output_dir", "resume", "track", "wandb_project", "save_every", "eval_only",
-               "config", "log_rollouts_every", "keep_last"}
+BOOKKEEPING = {
+    "seed",
+    "run_name",
+    "output_dir",
+    "resume",
+    "track",
+    "wandb_project",
+    "save_every",
+    "eval_only",
+    "config",
+    "log_rollouts_every",
+    "keep_last",
+}
 
 
 @dataclass
@@ -162,17 +173,28 @@ def table(groups: list[Group]) -> str:
             after = [r.evals()[-1].get(key) if r.evals() and r.evals()[-1].get("step", 0) > 0 else None for r in g.runs]
             cells += [fmt(mean_std(before), n), fmt(mean_std(after), n)]
         walls = [max((row.get("wall_s", 0.0) for row in r.rows), default=0.0) for r in g.runs]
-        phases = {p: [sum(row.get(f"perf/{p}_s", 0.0) for row in r.training()) for r in g.runs]
-                  for p in ("rollout", "train", "sync", "reward")}
+        phases = {
+            p: [sum(row.get(f"perf/{p}_s", 0.0) for row in r.training()) for r in g.runs]
+            for p in ("rollout", "train", "sync", "reward")
+        }
         other = [w - sum(phases[p][j] for p in ("rollout", "train", "sync")) for j, w in enumerate(walls)]
-        cells += [fmt(mean_std(walls), n, 0), fmt(mean_std(phases["rollout"]), n, 0), fmt(mean_std(phases["train"]), n, 0),
-                  fmt(mean_std(phases["sync"]), n, 1), fmt(mean_std(other), n, 0)]
+        cells += [
+            fmt(mean_std(walls), n, 0),
+            fmt(mean_std(phases["rollout"]), n, 0),
+            fmt(mean_std(phases["train"]), n, 0),
+            fmt(mean_std(phases["sync"]), n, 1),
+            fmt(mean_std(other), n, 0),
+        ]
         if diff:
             # a row shows the settings it has; a missing one only when another run of the same method has it
             same_method = [j for j, h in enumerate(groups) if h.method == g.method]
-            cells.append(", ".join(
-                f"{k}={json.loads(v[i])}" if v[i] != ABSENT else f"{k}={ABSENT}" for k, v in diff.items()
-                if v[i] != ABSENT or any(v[j] != ABSENT for j in same_method)))
+            cells.append(
+                ", ".join(
+                    f"{k}={json.loads(v[i])}" if v[i] != ABSENT else f"{k}={ABSENT}"
+                    for k, v in diff.items()
+                    if v[i] != ABSENT or any(v[j] != ABSENT for j in same_method)
+                )
+            )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -199,8 +221,12 @@ def nan_notes(groups: list[Group], keys: list[str]) -> list[str]:
     """NaN entries are left out of curves and final values; say where, so a broken run is not hidden."""
     out = []
     for k in keys:
-        bad = [f"{r.path} ({sum(1 for row in r.rows if row.get(k) != row.get(k))} rows)" for g in groups for r in g.runs
-               if any(row.get(k) != row.get(k) for row in r.rows)]
+        bad = [
+            f"{r.path} ({sum(1 for row in r.rows if row.get(k) != row.get(k))} rows)"
+            for g in groups
+            for r in g.runs
+            if any(row.get(k) != row.get(k) for row in r.rows)
+        ]
         if bad:
             out.append(f"note: {k} is NaN in {', '.join(bad)}; those rows are left out")
     return out
@@ -220,7 +246,9 @@ def select_metrics(groups: list[Group], patterns: list[str]) -> list[str]:
         matched = [pattern] if pattern in keys else [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
         if not matched:
             close = difflib.get_close_matches(pattern, keys, n=3, cutoff=0.5)
-            raise ValueError(f"--metric {pattern!r} matches no logged key" + (f" (close: {', '.join(close)})" if close else ""))
+            raise ValueError(
+                f"--metric {pattern!r} matches no logged key" + (f" (close: {', '.join(close)})" if close else "")
+            )
         out += [k for k in matched if k not in out]
     return out
 
@@ -231,8 +259,11 @@ def curve(group: Group, key: str, band: str = "minmax") -> list[tuple]:
     Returns [(update, mean wall_s, mean, low, high, n seeds)]."""
     at: dict[int, list[tuple[float, float]]] = {}
     for r in group.runs:
-        points = {row["update"]: (row["wall_s"], number(row.get(key))) for row in r.rows
-                  if "update" in row and "wall_s" in row and number(row.get(key)) is not None}  # a repeat: the last wins
+        points = {
+            row["update"]: (row["wall_s"], number(row.get(key)))
+            for row in r.rows
+            if "update" in row and "wall_s" in row and number(row.get(key)) is not None
+        }  # a repeat: the last wins
         for u, p in points.items():
             at.setdefault(u, []).append(p)
     out = []
@@ -258,8 +289,13 @@ def figure(plt, groups: list[Group], keys: list[str], band: str, path: str) -> s
                     continue
                 xs = [p[xi] for p in pts]
                 n = max(p[5] for p in pts)
-                ax.plot(xs, [p[2] for p in pts], color=colours[i % len(colours)], label=f"{g.label} (n={n})",
-                        marker="o" if key.startswith("eval") else None)
+                ax.plot(
+                    xs,
+                    [p[2] for p in pts],
+                    color=colours[i % len(colours)],
+                    label=f"{g.label} (n={n})",
+                    marker="o" if key.startswith("eval") else None,
+                )
                 if n > 1:
                     ax.fill_between(xs, [p[3] for p in pts], [p[4] for p in pts], color=colours[i % len(colours)], alpha=0.2)
             ax.set_xlabel(xlabel)
@@ -314,8 +350,13 @@ def final_table(groups: list[Group], keys: list[str]) -> str:
         for k in keys:
             vals = [v for v in (final_value(r, k) for r in g.runs) if v is not None]
             ms = mean_std(vals)
-            cells.append("-" if ms is None else g4(ms[0]) + (f" +- {g4(ms[1])}" if len(vals) > 1 else "")
-                         + (f" (n={len(vals)})" if len(vals) != len(g.runs) else ""))
+            cells.append(
+                "-"
+                if ms is None
+                else g4(ms[0])
+                + (f" +- {g4(ms[1])}" if len(vals) > 1 else "")
+                + (f" (n={len(vals)})" if len(vals) != len(g.runs) else "")
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -342,16 +383,27 @@ def paired(method: Group, base: Group, key: str) -> dict:
     diffs = {s: a[s] - b[s] for s in both}
     unmatched = [f"{s} ({method.label} only)" for s in sorted(a, key=str) if s not in b]
     unmatched += [f"{s} ({base.label} only)" for s in sorted(b, key=str) if s not in a]
-    unmatched += [f"{s} (no value in {', '.join(lab for lab, d in ((method.label, a), (base.label, b)) if d[s] is None)})"
-                  for s in sorted(a, key=str) if s in b and s not in diffs]
-    return {"diffs": diffs, "mean_std": mean_std(list(diffs.values())), "positive": sum(d > 0 for d in diffs.values()),
-            "negative": sum(d < 0 for d in diffs.values()), "unmatched": unmatched}
+    unmatched += [
+        f"{s} (no value in {', '.join(lab for lab, d in ((method.label, a), (base.label, b)) if d[s] is None)})"
+        for s in sorted(a, key=str)
+        if s in b and s not in diffs
+    ]
+    return {
+        "diffs": diffs,
+        "mean_std": mean_std(list(diffs.values())),
+        "positive": sum(d > 0 for d in diffs.values()),
+        "negative": sum(d < 0 for d in diffs.values()),
+        "unmatched": unmatched,
+    }
 
 
 def paired_table(groups: list[Group], base: Group, keys: list[str]) -> str:
-    lines = [f"Paired per-seed differences of final values, method - {base.label} (mean +- sample std of the differences):",
-             "", "| method - baseline | metric | mean diff | per seed (seed: diff) | sign count | unmatched seeds |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Paired per-seed differences of final values, method - {base.label} (mean +- sample std of the differences):",
+        "",
+        "| method - baseline | metric | mean diff | per seed (seed: diff) | sign count | unmatched seeds |",
+        "|---|---|---|---|---|---|",
+    ]
     for g in groups:
         if g is base:
             continue
@@ -362,21 +414,30 @@ def paired_table(groups: list[Group], base: Group, keys: list[str]) -> str:
             per_seed = ", ".join(f"{s}: {g4(d, '+')}" for s, d in p["diffs"].items()) or "-"
             ties = n - p["positive"] - p["negative"]
             sign = f"{p['positive']}/{n} positive" + (f", {ties} tied" if ties else "") if n else "-"
-            lines.append(f"| {g.label} - {base.label} | {k} | {mean} | {per_seed} | {sign} | {', '.join(p['unmatched']) or '-'} |")
+            lines.append(
+                f"| {g.label} - {base.label} | {k} | {mean} | {per_seed} | {sign} | {', '.join(p['unmatched']) or '-'} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run folders (or globs) holding metrics.jsonl and args.json")
     parser.add_argument("--plot-dir", default="plots", help="where PNG curves go")
     parser.add_argument("--plot-name", default="compare", help="PNG file name (without .png)")
     parser.add_argument("--no-plot", action="store_true", help="table only")
-    parser.add_argument("--metric", action="append", default=[], metavar="NAME_OR_GLOB",
-                        help="logged key, exact or glob (e.g. 'gapo/clipfrac_c*'); repeatable: a curve and a final value each")
-    parser.add_argument("--baseline", metavar="NAME",
-                        help="group label or exp_name: paired per-seed differences of final values against it")
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME_OR_GLOB",
+        help="logged key, exact or glob (e.g. 'gapo/clipfrac_c*'); repeatable: a curve and a final value each",
+    )
+    parser.add_argument(
+        "--baseline", metavar="NAME", help="group label or exp_name: paired per-seed differences of final values against it"
+    )
     parser.add_argument("--band", choices=sorted(BANDS), default="minmax", help="band over seeds drawn around the mean")
     args = parser.parse_args(argv)
     paths = []

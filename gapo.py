@@ -23,7 +23,7 @@ Objective (binary rewards, group of k rollouts, c correct; s = ratio of the chos
                      l_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high_i)),  loss = mean_i l_i,
                      differentiated in the GSPO-token form  log s_it = sg[log s_i] + log pi(o_it) - sg[log pi(o_it)]
     eps_high_i = eps_high(c_i) of eq. 11 for A_i > 0, eps_low otherwise (--clip-mode fixed: --clip-high-max for all).
-Our reading where the paper's text was not reachable (see the spec): the general [0,1] form above, the token-level
+Our reading where the paper's text was not reachable (docs/gapo.md): the general [0,1] form above, the token-level
 aggregation (token-mean), the focal weight's c/k read as the group's mean reward for non-binary rewards, and which
 fixed clip the focal baseline sits on (any: the flags are independent).
 
@@ -63,31 +63,45 @@ class Args(common.Args):  # the common flags (common.Args), then this method's o
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     # GAPO specific arguments
     clip_mode: Literal["adaptive", "fixed"] = arg(
-        "adaptive", "adaptive: GAPO eq. 11 upper bound per correct rollout; fixed: 1 + --clip-high-max for every "
-        "rollout (clip-higher baseline; symmetric with --clip-high-max = --clip-low)")
+        "adaptive",
+        "adaptive: GAPO eq. 11 upper bound per correct rollout; fixed: 1 + --clip-high-max for every "
+        "rollout (clip-higher baseline; symmetric with --clip-high-max = --clip-low)",
+    )
     clip_level: Literal["token", "sequence"] = arg(
-        "token", "token: PPO/GRPO per-token ratio, token-mean; sequence: GSPO sequence ratio (paper's main variant, use "
-        "~1e-3-scale bounds), mean over sequences")
-    clip_low: float = arg(0.2, "eps_low: lower bound 1 - eps_low for every rollout; adaptive mode: also the upper "
-                          "bound of incorrect rollouts (paper: 0.2 token level, 3e-3 sequence level)")
-    clip_high_max: float = arg(0.28, "eps_high_max: upper bound of a correct rollout with c = 1 (eq. 11); with "
-                               "--clip-mode fixed, every rollout's upper bound (paper: 0.28 token, 5e-3 sequence)")
-    focal_gamma: float = arg(0.0, "focal advantage shaping A <- (1 - c/k)^gamma * A (F-GRPO/F-GSPO baseline, "
-                             "arXiv:2602.06717); 0: off")
+        "token",
+        "token: PPO/GRPO per-token ratio, token-mean; sequence: GSPO sequence ratio (paper's main variant, use "
+        "~1e-3-scale bounds), mean over sequences",
+    )
+    clip_low: float = arg(
+        0.2,
+        "eps_low: lower bound 1 - eps_low for every rollout; adaptive mode: also the upper "
+        "bound of incorrect rollouts (paper: 0.2 token level, 3e-3 sequence level)",
+    )
+    clip_high_max: float = arg(
+        0.28,
+        "eps_high_max: upper bound of a correct rollout with c = 1 (eq. 11); with "
+        "--clip-mode fixed, every rollout's upper bound (paper: 0.28 token, 5e-3 sequence)",
+    )
+    focal_gamma: float = arg(
+        0.0, "focal advantage shaping A <- (1 - c/k)^gamma * A (F-GRPO/F-GSPO baseline, arXiv:2602.06717); 0: off"
+    )
     scale_rewards: Literal["none", "group"] = arg(
-        "none", "advantage scale: none (A = r - mean, GAPO/Dr. GRPO) or group (divide by group std + 1e-4, GRPO)")
+        "none", "advantage scale: none (A = r - mean, GAPO/Dr. GRPO) or group (divide by group std + 1e-4, GRPO)"
+    )
     checks = (  # (flag, test of its value, what it must be): checked with the common flags, before anything loads
         ("clip_low", lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
         ("clip_high_max", lambda v: 0.0 <= v < math.inf, "must be finite and >= 0"),
-        ("clip_high_max", lambda v, args: args.clip_mode == "fixed" or v >= args.clip_low,
-         "must be >= --clip-low with --clip-mode adaptive (eq. 11 interpolates between them)"),
+        (
+            "clip_high_max",
+            lambda v, args: args.clip_mode == "fixed" or v >= args.clip_low,
+            "must be >= --clip-low with --clip-mode adaptive (eq. 11 interpolates between them)",
+        ),
         ("focal_gamma", lambda v: v >= 0.0, "must be >= 0"),
     )
 
 
 # ALGO LOGIC: advantages
-def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none",
-                       focal_gamma: float = 0.0) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str = "none", focal_gamma: float = 0.0) -> torch.Tensor:
     """rewards (B,) -> advantages (B,); rows [g*G:(g+1)*G] are the G rollouts of prompt g."""
     grouped = rewards.view(-1, group_size)  # (P, G)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # A_i = r_i - mean_g(r)  (GAPO default: no std division)
@@ -103,9 +117,18 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str = "non
 
 
 # ALGO LOGIC: policy loss
-def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                        eps_low: float = 0.2, eps_high: float | torch.Tensor = 0.28, level: str = "token",
-                        ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+def compute_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | torch.Tensor = 0.28,
+    level: str = "token",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate with a per-rollout upper bound. logp, old_logp, ref_logp, mask: (B, T); advantages (B,);
     eps_high: float or (B,). level "token": token-mean of the PPO/GRPO term; "sequence": GSPO, mean over sequences.
     Returns (loss, stats); stats["rows"] holds per-row clip counts / units / sum |ratio - 1| for per-c diagnostics
@@ -151,10 +174,15 @@ def compute_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
             "clipfrac": ((clip_low + clip_high).sum() / n).item(),  # per token (token level) / per sequence
             "clipfrac_low": (clip_low.sum() / n).item(),
             "clipfrac_high": (clip_high.sum() / n).item(),
-            "approx_kl": (((torch.exp(log_ratio) - 1.0) - log_ratio) * mask).sum().div(mask.sum().clamp(min=1.0))
-                         .item(),  # token-level k3 of KL(old || new) at both levels
-            "rows": {"clipped": (clip_low + clip_high).sum(1).cpu(), "units": units.sum(1).cpu(),  # (B,) each
-                     "abs_dev": ((r - 1.0).abs() * units).sum(1).cpu()},
+            "approx_kl": (((torch.exp(log_ratio) - 1.0) - log_ratio) * mask)
+            .sum()
+            .div(mask.sum().clamp(min=1.0))
+            .item(),  # token-level k3 of KL(old || new) at both levels
+            "rows": {
+                "clipped": (clip_low + clip_high).sum(1).cpu(),
+                "units": units.sum(1).cpu(),  # (B,) each
+                "abs_dev": ((r - 1.0).abs() * units).sum(1).cpu(),
+            },
         }
     return loss, stats
 
@@ -196,24 +224,34 @@ def main(args: Args) -> None:
     run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field,
-                                                                    reward=args.reward)
-    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
-                                           args.eval_limit)
+    train_task = (
+        None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field, reward=args.reward)
+    )
+    eval_tasks = verifiers.load_eval_tasks(
+        args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward, args.eval_limit
+    )
     tokenizer = common.load_tokenizer(model_path)
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
     model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
-                 else None)
+    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
-                     for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
+    eval_prompts = [
+        [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
+        for t in eval_tasks
+    ]  # one list of prompts per eval set
     # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
     max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
-    engine = common.make_engine(args.engine, model, tokenizer, model_path=model_path,
-                                max_model_len=max_prompt_len + args.max_new_tokens, seed=args.seed,
-                                gen_batch_size=args.gen_batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                                return_logps=False)
+    engine = common.make_engine(
+        args.engine,
+        model,
+        tokenizer,
+        model_path=model_path,
+        max_model_len=max_prompt_len + args.max_new_tokens,
+        seed=args.seed,
+        gen_batch_size=args.gen_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        return_logps=False,
+    )
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -232,8 +270,15 @@ def main(args: Args) -> None:
         with timers("eval"):
             engine.wake(model)
             metrics, per_set = common.evaluate_sets(
-                engine, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature, args.max_new_tokens,
-                args.eval_k, seed=common.eval_seed(args.seed))
+                engine,
+                eval_tasks,
+                eval_prompts,
+                args.eval_samples,
+                args.eval_temperature,
+                args.max_new_tokens,
+                args.eval_k,
+                seed=common.eval_seed(args.seed),
+            )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
         common.write_eval(logger, step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
@@ -241,8 +286,13 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
-                             None, metrics, timers.total, time.time() - t_start)
+        common.print_summary(
+            f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
+            None,
+            metrics,
+            timers.total,
+            time.time() - t_start,
+        )
         logger.close()
         return
     if start_step == 0:
@@ -255,16 +305,20 @@ def main(args: Args) -> None:
         with timers("wake"):
             engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
-        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        common.minibatch_generator(args.seed, step))
+        minibatches = common.group_shuffled_minibatches(
+            P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
+        )
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
-            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
-                                               args.system_prompt or None) for p in problems]
+            prompt_ids = [
+                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
+                for p in problems
+            ]
             # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
-                                              args.seed + step, minibatches)
+            rollout = common.generate_rollout(
+                engine, prompt_ids, G, args.max_new_tokens, args.temperature, args.seed + step, minibatches
+            )
         with timers("sleep"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
@@ -291,21 +345,22 @@ def main(args: Args) -> None:
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
-                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
-                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_logp[later_rows] = common.batch_logps(
+                    model, rollout, later_rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
                 old_ready[later_rows] = True
             ref_logp = None
             if ref_model is not None:  # (B, T), this rank's rows filled
                 ref_logp = torch.zeros_like(mask)
-                ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
-                                                            args.micro_batch_tokens, args.logp_chunk_tokens)
+                ref_logp[rollout.rows] = common.batch_logps(
+                    ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
         # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss with a per-rollout upper bound)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
             for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
-                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
-                        "approx_kl": 0.0, "entropy": 0.0}
+                sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 per_c = torch.zeros(3, G + 1)  # (clipped units, units, sum |ratio - 1|) of off-policy A > 0 rows, by c
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
@@ -316,9 +371,17 @@ def main(args: Args) -> None:
                     ready = old_ready[micro].unsqueeze(1).to(logp.device)
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
-                    loss, stats = compute_policy_loss(logp, old, advantages[micro].to(logp.device), micro_mask,
-                                                      eps_low=args.clip_low, eps_high=eps_high[micro].to(logp.device),
-                                                      level=args.clip_level, ref_logp=ref, beta=args.beta)
+                    loss, stats = compute_policy_loss(
+                        logp,
+                        old,
+                        advantages[micro].to(logp.device),
+                        micro_mask,
+                        eps_low=args.clip_low,
+                        eps_high=eps_high[micro].to(logp.device),
+                        level=args.clip_level,
+                        ref_logp=ref,
+                        beta=args.beta,
+                    )
                     weight = common.accumulation_weight(loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()
                     n_tok = micro_mask.sum().item()
@@ -339,15 +402,19 @@ def main(args: Args) -> None:
                 scheduler.step()
                 update += 1
                 metrics = {f"losses/{k}": v for k, v in sums.items()} | {
-                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
-                    "update": update}
+                    "losses/grad_norm": grad_norm.item(),
+                    "charts/learning_rate": scheduler.get_last_lr()[0],
+                    "update": update,
+                }
                 for c in range(G + 1):  # per-c diagnostics (the paper's plots); only c values present off-policy
                     if per_c[1, c] > 0:
                         metrics[f"gapo/clipfrac_c{c}"] = (per_c[0, c] / per_c[1, c]).item()
                         metrics[f"gapo/ratio_absdev_c{c}"] = (per_c[2, c] / per_c[1, c]).item()  # mean |ratio - 1|
                 update_metrics.append(metrics)
-        update_metrics[0] |= {"gapo/pos_adv_frac": positive.float().mean().item(),  # share of rollouts with A > 0
-                              "gapo/eps_high_pos_mean": eps_high[positive].mean().item() if positive.any() else 0.0}
+        update_metrics[0] |= {
+            "gapo/pos_adv_frac": positive.float().mean().item(),  # share of rollouts with A > 0
+            "gapo/eps_high_pos_mean": eps_high[positive].mean().item() if positive.any() else 0.0,
+        }
         # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
@@ -357,9 +424,12 @@ def main(args: Args) -> None:
             "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
             "rollout/response_len_mean": n_completion_tokens / B,
             "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
-            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
-            "perf/sync_s": timers.step["wake"] + timers.step["sleep"], "perf/wake_s": timers.step["wake"],
-            "perf/sleep_s": timers.step["sleep"], "perf/reward_s": timers.step["reward"],
+            "perf/rollout_s": timers.step["rollout"],
+            "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["wake"] + timers.step["sleep"],
+            "perf/wake_s": timers.step["wake"],
+            "perf/sleep_s": timers.step["sleep"],
+            "perf/reward_s": timers.step["reward"],
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
@@ -368,23 +438,55 @@ def main(args: Args) -> None:
             rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
-        tqdm.write(common.console_line(step, args.total_steps, {**rollout_metrics, **update_metrics[-1]}, [
-            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
-            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        tqdm.write(
+            common.console_line(
+                step,
+                args.total_steps,
+                {**rollout_metrics, **update_metrics[-1]},
+                [
+                    "rollout/reward_mean",
+                    "rollout/response_len_mean",
+                    "losses/policy_loss",
+                    "losses/clipfrac",
+                    "losses/approx_kl",
+                    "losses/entropy",
+                    "perf/rollout_s",
+                    "perf/train_s",
+                ],
+            )
+        )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
             common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
-                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
-                "eval_before": eval_before, "timers": dict(timers.total)}, keep_last=args.keep_last)
+            common.save_checkpoint(
+                run_dir,
+                step,
+                model,
+                tokenizer,
+                optimizer,
+                scheduler,
+                {
+                    "sampler": sampler.state_dict(),
+                    "update": update,
+                    "wall_s": time.time() - t_start,
+                    "eval_before": eval_before,
+                    "timers": dict(timers.total),
+                },
+                keep_last=args.keep_last,
+            )
     bar.close()
     final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
-                         eval_before, eval_after, timers.total, wall)
+    common.print_summary(
+        f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+        eval_before,
+        eval_after,
+        timers.total,
+        wall,
+    )
     print(f"final model: {final_dir}")
     logger.close()
 

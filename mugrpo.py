@@ -28,11 +28,9 @@ std; 64 prompts per update in the paper-scale line. Where the paper is silent we
 subset of mask); mugrpo/vetoed_token_frac is over all completion tokens of the mini-batch; --prompts-per-step must
 be a multiple of --updates-per-batch. The engine switch of a stage is perf/sync_s = perf/wake_s (incl. the weight
 push) + perf/sleep_s, as in every script.
-Host memory of a paper-scale stage (B = 524288 rollouts, T = 3072; docs/mugrpo.md, bench/rollout_memory.py): the
-packed rollouts take ~8.4 bytes per completion token (4.4 GB at a mean of ~1000 tokens, 13.2 GB if all are 3072;
-lists of Python ints and floats took 38 / 117 GB), the texts ~4 bytes per token; the shared blocks' dense fp32
-(B, T) mask and old/behaviour log-probs are 6.4 GB each (+6.4 GB transient in the trainer pass, +6.4 GB ref_logp
-with --beta > 0). --behav-logp engine writes the engine log-probs into old_logp's buffer (no extra (B, T) tensor).
+A paper-scale stage holds B = 524288 rollouts on the host: the packed rollouts and the dense (B, T) mask and
+log-probs are sized in docs/mugrpo.md ("Host memory at paper scale"); --behav-logp engine writes the engine
+log-probs into old_logp's buffer (no extra (B, T) tensor).
 
 Run:
   python mugrpo.py                                 # CPU default: Mu-GRPO, 3 stages x mu 8, embedded SmolLM2-135M on `arith`
@@ -67,21 +65,31 @@ class Args(common.Args):  # the common flags (common.Args), then this method's o
     # a stage is grpo.py's step with a huge batch: the same three flags, with Mu-GRPO's defaults and meaning
     total_steps: int = arg(3, "number of stages (Mu-GRPO: a stage is one step with a huge batch; paper: 4)")
     prompts_per_step: int = arg(32, "prompts per stage = mu x prompts per update (a multiple of --updates-per-batch)")
-    updates_per_batch: int = arg(8, "mu: optimizer updates per stage, one pass over its group-shuffled prompts "
-                                    "(paper: 1024; standard GRPO: 4)")
+    updates_per_batch: int = arg(
+        8, "mu: optimizer updates per stage, one pass over its group-shuffled prompts (paper: 1024; standard GRPO: 4)"
+    )
     clip_low: float = arg(1.0, "eps_low: lower clip bound 1 - eps_low (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
     clip_high: float = arg(4.0, "eps_high: upper clip bound 1 + eps_high (Mu-GRPO relaxed clip [0, 5]; GRPO: 0.2)")
     veto_scope: Literal["none", "trigger", "suffix", "suffix_nontrigger", "sequence"] = arg(
-        "suffix_nontrigger", "negative-advantage veto: none, trigger, suffix, suffix_nontrigger (the paper's H_kappa), "
-        "sequence")
-    veto_delta: float = arg(1e-4, "delta: a token of an A<0 response triggers when pi/pi_behav < delta "
-                                  "(tested as log-ratio < log delta; reading: the project page's 1e-4)")
+        "suffix_nontrigger",
+        "negative-advantage veto: none, trigger, suffix, suffix_nontrigger (the paper's H_kappa), sequence",
+    )
+    veto_delta: float = arg(
+        1e-4,
+        "delta: a token of an A<0 response triggers when pi/pi_behav < delta "
+        "(tested as log-ratio < log delta; reading: the project page's 1e-4)",
+    )
     behav_logp: Literal["trainer", "engine"] = arg(
-        "trainer", "behaviour log-probs: trainer (forward pass under the stage-start weights) or engine (the rollout "
-        "engine's sampling log-probs)")
+        "trainer",
+        "behaviour log-probs: trainer (forward pass under the stage-start weights) or engine (the rollout "
+        "engine's sampling log-probs)",
+    )
     checks = (  # (flag, test of its value, what it must be): checked with the common flags, before anything loads
-        ("prompts_per_step", lambda v, args: v % args.updates_per_batch == 0,
-         "must be a multiple of --updates-per-batch (mu): a stage is mu x prompts per update"),
+        (
+            "prompts_per_step",
+            lambda v, args: v % args.updates_per_batch == 0,
+            "must be a multiple of --updates-per-batch (mu): a stage is mu x prompts per update",
+        ),
         ("clip_low", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
         ("clip_high", lambda v: 0.0 <= v < math.inf, "must be finite and >= 0"),
         ("veto_delta", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
@@ -94,13 +102,22 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6
     grouped = rewards.view(-1, group_size)  # (P, G)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # A_i = r_i - mean_g(r)
     std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centered[:, :1])  # unbiased (N-1)
-    return (centered / (std + eps)).reshape(-1)  # mugrpo.md: std + 1e-6; an all-equal group gives A = 0 exactly
+    return (centered / (std + eps)).reshape(-1)  # std + 1e-6 (the paper's); an all-equal group gives A = 0 exactly
 
 
 # ALGO LOGIC: policy loss
-def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                        eps_low: float = 1.0, eps_high: float = 4.0, keep: torch.Tensor | None = None,
-                        ref_logp: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+def compute_policy_loss(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 4.0,
+    keep: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict]:
     """Relaxed clipped surrogate times the veto's keep mask. logp, behav_logp, mask, keep, ref_logp: (B, T);
     advantages (B,). Token-mean whose denominator counts the completion tokens before the veto. Returns (loss, stats);
     with keep = mask and eps 0.2/0.2 it is grpo.compute_policy_loss(..., loss_agg="token-mean").
@@ -143,8 +160,9 @@ def compute_policy_loss(logp: torch.Tensor, behav_logp: torch.Tensor, advantages
 VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")  # the choices of --veto-scope (Args)
 
 
-def veto_triggers(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  log_delta: float) -> torch.Tensor:
+def veto_triggers(
+    logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, log_delta: float
+) -> torch.Tensor:
     """Trigger tokens (B, T) bool: real completion tokens of A < 0 responses with log rho_it < log delta.
 
     Compared in log space: exp() of two tiny log-probs underflows to 0/0 in fp32, their difference does not."""
@@ -153,8 +171,14 @@ def veto_triggers(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torc
     return (log_ratio < log_delta) & neg & mask.bool()  # padding never triggers
 
 
-def veto_mask(logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              log_delta: float, scope: str = "suffix_nontrigger") -> torch.Tensor:
+def veto_mask(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    log_delta: float,
+    scope: str = "suffix_nontrigger",
+) -> torch.Tensor:
     """keep (B, T) float, 1 = keep, 0 = vetoed or padding (keep <= mask). Only rows with A < 0 lose tokens.
 
     kappa_i = first trigger of row i. Vetoed: `none` nothing; `trigger` the triggers; `suffix` every t > kappa_i
@@ -189,24 +213,34 @@ def main(args: Args) -> None:
     run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field,
-                                                                    reward=args.reward)
-    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward,
-                                           args.eval_limit)
+    train_task = (
+        None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field, reward=args.reward)
+    )
+    eval_tasks = verifiers.load_eval_tasks(
+        args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward, args.eval_limit
+    )
     tokenizer = common.load_tokenizer(model_path)
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
     model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = (common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0
-                 else None)
+    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    eval_prompts = [[common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None)
-                     for p in t.problems] for t in eval_tasks]  # one list of prompts per eval set
+    eval_prompts = [
+        [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
+        for t in eval_tasks
+    ]  # one list of prompts per eval set
     # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
     max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
-    engine = common.make_engine(args.engine, model, tokenizer, model_path=model_path,
-                                max_model_len=max_prompt_len + args.max_new_tokens, seed=args.seed,
-                                gen_batch_size=args.gen_batch_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                                return_logps=args.behav_logp == "engine")  # ALGO LOGIC
+    engine = common.make_engine(
+        args.engine,
+        model,
+        tokenizer,
+        model_path=model_path,
+        max_model_len=max_prompt_len + args.max_new_tokens,
+        seed=args.seed,
+        gen_batch_size=args.gen_batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        return_logps=args.behav_logp == "engine",  # ALGO LOGIC
+    )
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -225,8 +259,15 @@ def main(args: Args) -> None:
         with timers("eval"):
             engine.wake(model)
             metrics, per_set = common.evaluate_sets(
-                engine, eval_tasks, eval_prompts, args.eval_samples, args.eval_temperature, args.max_new_tokens,
-                args.eval_k, seed=common.eval_seed(args.seed))
+                engine,
+                eval_tasks,
+                eval_prompts,
+                args.eval_samples,
+                args.eval_temperature,
+                args.max_new_tokens,
+                args.eval_k,
+                seed=common.eval_seed(args.seed),
+            )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
         common.write_eval(logger, step, per_set)
         tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
@@ -234,8 +275,13 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
-                             None, metrics, timers.total, time.time() - t_start)
+        common.print_summary(
+            f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
+            None,
+            metrics,
+            timers.total,
+            time.time() - t_start,
+        )
         logger.close()
         return
     if start_step == 0:
@@ -248,16 +294,20 @@ def main(args: Args) -> None:
         with timers("wake"):
             engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
-        minibatches = common.group_shuffled_minibatches(P, G, args.updates_per_batch,
-                                                        common.minibatch_generator(args.seed, step))
+        minibatches = common.group_shuffled_minibatches(
+            P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
+        )
         with timers("rollout"):
             problem_idx = sampler.sample(P)
             problems = [train_task.problems[i] for i in problem_idx]
-            prompt_ids = [common.format_prompt(tokenizer, p["question"], train_task.instruction,
-                                               args.system_prompt or None) for p in problems]
+            prompt_ids = [
+                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
+                for p in problems
+            ]
             # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature,
-                                              args.seed + step, minibatches)
+            rollout = common.generate_rollout(
+                engine, prompt_ids, G, args.max_new_tokens, args.temperature, args.seed + step, minibatches
+            )
         with timers("sleep"):
             engine.sleep()
         # TRY NOT TO MODIFY: rewards
@@ -279,14 +329,16 @@ def main(args: Args) -> None:
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
-                old_logp[later_rows] = common.batch_logps(model, rollout, later_rows, pad_id, args.temperature,
-                                                          args.micro_batch_tokens, args.logp_chunk_tokens)
+                old_logp[later_rows] = common.batch_logps(
+                    model, rollout, later_rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
                 old_ready[later_rows] = True
             ref_logp = None
             if ref_model is not None:  # (B, T), this rank's rows filled
                 ref_logp = torch.zeros_like(mask)
-                ref_logp[rollout.rows] = common.batch_logps(ref_model, rollout, rollout.rows, pad_id, args.temperature,
-                                                            args.micro_batch_tokens, args.logp_chunk_tokens)
+                ref_logp[rollout.rows] = common.batch_logps(
+                    ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
+                )
         # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
         if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
             if not rollout.has_engine_logps:
@@ -299,8 +351,10 @@ def main(args: Args) -> None:
             behav_ready[rollout.rows] = True  # (B,) all rows at world size 1
             own_tokens = mask.bool() & behav_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
             if flat.numel() != int(own_tokens.sum().item()):
-                raise common.RunError(f"--behav-logp engine: {flat.numel()} engine log-probs for "
-                                      f"{int(own_tokens.sum().item())} completion tokens")
+                raise common.RunError(
+                    f"--behav-logp engine: {flat.numel()} engine log-probs for "
+                    f"{int(own_tokens.sum().item())} completion tokens"
+                )
             behav_logp = old_logp  # (B, T), all zeros here
             behav_logp[own_tokens] = flat.to(behav_logp.dtype)
         else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
@@ -310,8 +364,7 @@ def main(args: Args) -> None:
             upd_bar = tqdm(minibatches, desc=f"stage {step} update", leave=False, unit="upd")
             for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates made since the stage's rollouts
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator: the mini-batch's tokens before veto
-                sums = {"policy_loss": 0.0, "clipfrac": 0.0, "clipfrac_low": 0.0, "clipfrac_high": 0.0,
-                        "approx_kl": 0.0, "entropy": 0.0}
+                sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 diag = {"neg_ratio_sum": 0.0, "neg_tokens": 0.0, "vetoed_tokens": 0.0, "neg_resp": 0, "triggered_resp": 0}
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
@@ -325,8 +378,17 @@ def main(args: Args) -> None:
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
                     keep = veto_mask(logp.detach(), behav, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
-                    loss, stats = compute_policy_loss(logp, behav, adv, micro_mask, eps_low=args.clip_low,
-                                                      eps_high=args.clip_high, keep=keep, ref_logp=ref, beta=args.beta)
+                    loss, stats = compute_policy_loss(
+                        logp,
+                        behav,
+                        adv,
+                        micro_mask,
+                        eps_low=args.clip_low,
+                        eps_high=args.clip_high,
+                        keep=keep,
+                        ref_logp=ref,
+                        beta=args.beta,
+                    )
                     weight = common.accumulation_weight("token-mean", micro_mask, mb_tokens, len(micro), len(mb_rows))
                     (loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
                     n_tok = micro_mask.sum().item()
@@ -353,11 +415,21 @@ def main(args: Args) -> None:
                     mugrpo_metrics["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
                 if diag["neg_resp"]:
                     mugrpo_metrics["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
-                update_metrics.append({f"losses/{k}": v for k, v in sums.items()} | mugrpo_metrics | {
-                    "losses/grad_norm": grad_norm.item(), "charts/learning_rate": scheduler.get_last_lr()[0],
-                    "update": update})
-                upd_bar.set_postfix(loss=f"{sums['policy_loss']:.3g}", clip=f"{sums['clipfrac']:.2f}",
-                                    veto=f"{mugrpo_metrics['mugrpo/vetoed_token_frac']:.2f}", refresh=False)
+                update_metrics.append(
+                    {f"losses/{k}": v for k, v in sums.items()}
+                    | mugrpo_metrics
+                    | {
+                        "losses/grad_norm": grad_norm.item(),
+                        "charts/learning_rate": scheduler.get_last_lr()[0],
+                        "update": update,
+                    }
+                )
+                upd_bar.set_postfix(
+                    loss=f"{sums['policy_loss']:.3g}",
+                    clip=f"{sums['clipfrac']:.2f}",
+                    veto=f"{mugrpo_metrics['mugrpo/vetoed_token_frac']:.2f}",
+                    refresh=False,
+                )
         # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
@@ -367,9 +439,12 @@ def main(args: Args) -> None:
             "rollout/zero_adv_group_frac": (rewards.view(-1, G).std(1) == 0).float().mean().item() if G > 1 else 1.0,
             "rollout/response_len_mean": n_completion_tokens / B,
             "rollout/truncated_frac": sum(r == "length" for r in rollout.finish_reasons) / B,
-            "perf/rollout_s": timers.step["rollout"], "perf/train_s": timers.step["train"],
-            "perf/sync_s": timers.step["wake"] + timers.step["sleep"], "perf/wake_s": timers.step["wake"],
-            "perf/sleep_s": timers.step["sleep"], "perf/reward_s": timers.step["reward"],
+            "perf/rollout_s": timers.step["rollout"],
+            "perf/train_s": timers.step["train"],
+            "perf/sync_s": timers.step["wake"] + timers.step["sleep"],
+            "perf/wake_s": timers.step["wake"],
+            "perf/sleep_s": timers.step["sleep"],
+            "perf/reward_s": timers.step["reward"],
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
@@ -378,23 +453,55 @@ def main(args: Args) -> None:
             rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
-        tqdm.write(common.console_line(step, args.total_steps, {**rollout_metrics, **update_metrics[-1]}, [
-            "rollout/reward_mean", "rollout/response_len_mean", "losses/policy_loss", "losses/clipfrac",
-            "losses/approx_kl", "losses/entropy", "perf/rollout_s", "perf/train_s"]))
+        tqdm.write(
+            common.console_line(
+                step,
+                args.total_steps,
+                {**rollout_metrics, **update_metrics[-1]},
+                [
+                    "rollout/reward_mean",
+                    "rollout/response_len_mean",
+                    "losses/policy_loss",
+                    "losses/clipfrac",
+                    "losses/approx_kl",
+                    "losses/entropy",
+                    "perf/rollout_s",
+                    "perf/train_s",
+                ],
+            )
+        )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
             common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            common.save_checkpoint(run_dir, step, model, tokenizer, optimizer, scheduler, {
-                "sampler": sampler.state_dict(), "update": update, "wall_s": time.time() - t_start,
-                "eval_before": eval_before, "timers": dict(timers.total)}, keep_last=args.keep_last)
+            common.save_checkpoint(
+                run_dir,
+                step,
+                model,
+                tokenizer,
+                optimizer,
+                scheduler,
+                {
+                    "sampler": sampler.state_dict(),
+                    "update": update,
+                    "wall_s": time.time() - t_start,
+                    "eval_before": eval_before,
+                    "timers": dict(timers.total),
+                },
+                keep_last=args.keep_last,
+            )
     bar.close()
     final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    common.print_summary(f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
-                         eval_before, eval_after, timers.total, wall)
+    common.print_summary(
+        f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
+        eval_before,
+        eval_after,
+        timers.total,
+        wall,
+    )
     print(f"final model: {final_dir}")
     logger.close()
 

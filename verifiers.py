@@ -52,9 +52,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,15 @@ def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[
     return values
 
 
-def load_task(name: str, split: str, seed: int = 0, question_field: str | None = None,
-              answer_field: str | None = None, holdout: int = HOLDOUT, reward: str = "auto") -> Task:
+def load_task(
+    name: str,
+    split: str,
+    seed: int = 0,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    holdout: int = HOLDOUT,
+    reward: str = "auto",
+) -> Task:
     """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
 
     Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
@@ -148,16 +156,25 @@ def load_task(name: str, split: str, seed: int = 0, question_field: str | None =
     return task
 
 
-def load_eval_tasks(names: Sequence[str], default: str, seed: int, question_field: str | None,
-                    answer_field: str | None, reward: str, limit: int) -> list[Task]:
+def load_eval_tasks(
+    names: Sequence[str],
+    default: str,
+    seed: int,
+    question_field: str | None,
+    answer_field: str | None,
+    reward: str,
+    limit: int,
+) -> list[Task]:
     """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
     `limit` problems (0: all). Two sets with the same label are one error."""
     tasks, seen = [], {}
     for name in list(names) or [default]:
         label = eval_set_label(name)
         if label in seen:
-            raise UserError(f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
-                            "give each evaluation set once (rename a local file if two share a name)")
+            raise UserError(
+                f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
+                "give each evaluation set once (rename a local file if two share a name)"
+            )
         seen[label] = name
         task = load_task(name, "eval", seed, question_field, answer_field, reward=reward)
         if limit:
@@ -173,12 +190,11 @@ def eval_set_label(name: str) -> str:
         return name
     base = os.path.basename(name.rstrip("/"))
     for ext in (".gz", ".jsonl", ".json", ".parquet"):
-        base = base[:-len(ext)] if base.endswith(ext) else base
+        base = base[: -len(ext)] if base.endswith(ext) else base
     return base or name
 
 
-def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None,
-               holdout: int) -> Task:
+def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None, holdout: int) -> Task:
     if name == "arith":
         test = arith_problems(holdout, seed=ARITH_EVAL_SEED_OFFSET + seed)
         if split == "eval":
@@ -187,8 +203,7 @@ def _load_task(name: str, split: str, seed: int, question_field: str | None, ans
         return Task("arith", "arith", train, ARITH_INSTRUCTION)
     if name == "humaneval":
         if split == "train":
-            raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass "
-                            "--eval-dataset humaneval")
+            raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass --eval-dataset humaneval")
         problems = [dict(p, question=p["prompt"]) for p in load_humaneval()]
         return Task("humaneval", "code", problems, CODE_INSTRUCTION)
     if name in HUB_DATASETS:
@@ -196,8 +211,7 @@ def _load_task(name: str, split: str, seed: int, question_field: str | None, ans
         q_field, a_field = question_field or info["q"], answer_field or info["a"]
         hub_split = info[split] if split in ("train", "eval") else split
         if hub_split is None and split == "train":
-            raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass "
-                            f"--eval-dataset {name}")
+            raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass --eval-dataset {name}")
         carve = hub_split is None
         rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
         kind, transform = info["kind"], info.get("transform")
@@ -264,26 +278,60 @@ def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[d
 
 # name -> (hub id, config, train split, eval split, question field, answer field, kind, answer transform)
 HUB_DATASETS: dict[str, dict] = {
-    "gsm8k": dict(path="openai/gsm8k", config="main", train="train", eval="test", q="question", a="answer",
-                  kind="math", transform="gsm8k"),
-    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", config=None, train="train", eval="test",
-                 q="problem", a="solution", kind="math", transform="boxed"),
-    "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer",
-                    kind="math"),
-    "dapo17k": dict(path="open-r1/DAPO-Math-17k-Processed", config="en", train="train", eval=None, q="prompt",
-                    a="solution", kind="math"),
-    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", config=None, train="train", eval=None,
-                       q="problem", a="answer", kind="math"),
-    "aime24": dict(path="math-ai/aime24", config=None, train=None, eval="test", q="problem", a="solution",
-                   kind="math", transform="boxed_or_raw"),
+    "gsm8k": dict(
+        path="openai/gsm8k",
+        config="main",
+        train="train",
+        eval="test",
+        q="question",
+        a="answer",
+        kind="math",
+        transform="gsm8k",
+    ),
+    "math": dict(
+        path="DigitalLearningGmbH/MATH-lighteval",
+        config=None,
+        train="train",
+        eval="test",
+        q="problem",
+        a="solution",
+        kind="math",
+        transform="boxed",
+    ),
+    "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
+    "dapo17k": dict(
+        path="open-r1/DAPO-Math-17k-Processed", config="en", train="train", eval=None, q="prompt", a="solution", kind="math"
+    ),
+    "deepscaler": dict(
+        path="agentica-org/DeepScaleR-Preview-Dataset",
+        config=None,
+        train="train",
+        eval=None,
+        q="problem",
+        a="answer",
+        kind="math",
+    ),
+    "aime24": dict(
+        path="math-ai/aime24",
+        config=None,
+        train=None,
+        eval="test",
+        q="problem",
+        a="solution",
+        kind="math",
+        transform="boxed_or_raw",
+    ),
     "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
     "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
-    "mbpp": dict(path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text",
-                 a="test_list", kind="code"),
-    "openai_humaneval": dict(path="openai/openai_humaneval", config=None, train=None, eval="test", q="prompt",
-                             a="test", kind="code"),
-    "humanevalplus": dict(path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt",
-                          a="test", kind="code"),
+    "mbpp": dict(
+        path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text", a="test_list", kind="code"
+    ),
+    "openai_humaneval": dict(
+        path="openai/openai_humaneval", config=None, train=None, eval="test", q="prompt", a="test", kind="code"
+    ),
+    "humanevalplus": dict(
+        path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt", a="test", kind="code"
+    ),
 }
 BUILTIN_DATASETS = ("arith", "humaneval")
 
@@ -306,8 +354,10 @@ def _check_fields(rows, needed: Sequence[str], source: str) -> None:
     have = list(rows[0].keys())
     missing = [f for f in needed if f not in have]
     if missing:
-        raise UserError(f"dataset {source} has no field {missing[0]!r}; its fields are {have}. "
-                        "Pick them with --question-field / --answer-field")
+        raise UserError(
+            f"dataset {source} has no field {missing[0]!r}; its fields are {have}. "
+            "Pick them with --question-field / --answer-field"
+        )
 
 
 class _Rows(list):
@@ -333,15 +383,19 @@ def _read_jsonl(path: str) -> _Rows:
                 try:
                     line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 except UnicodeDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                    f"{exc.start + 1}); re-encode the file as UTF-8") from None
+                    raise UserError(
+                        f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                        f"{exc.start + 1}); re-encode the file as UTF-8"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or "
-                                    "remove the line (one JSON object per line)") from None
+                    raise UserError(
+                        f"{path}:{lineno}: not valid JSON ({exc.msg}, column {exc.colno}); fix or "
+                        "remove the line (one JSON object per line)"
+                    ) from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path}:{lineno}: expected a JSON object, got a {type(row).__name__}")
                 rows.append(row)
@@ -358,16 +412,18 @@ def _read_json(path: str) -> _Rows:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         lineno = raw.count(b"\n", 0, exc.start) + 1
-        raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}); re-encode the file as "
-                        "UTF-8") from None
+        raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x}); re-encode the file as UTF-8") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
     if isinstance(data, dict):  # {"data": [...]} or column dict {"question": [...], "answer": [...]}
         columns = {k: v for k, v in data.items() if isinstance(v, list)}
-        if len(columns) > 1 and len({len(v) for v in columns.values()}) == 1 and \
-                not any(isinstance(x, dict) for v in columns.values() for x in v):
+        if (
+            len(columns) > 1
+            and len({len(v) for v in columns.values()}) == 1
+            and not any(isinstance(x, dict) for v in columns.values() for x in v)
+        ):
             data = [dict(zip(columns, values)) for values in zip(*columns.values())]
         else:
             data = next(iter(columns.values()), None)
@@ -392,14 +448,18 @@ def _load_rows(path: str, config: str | None, split: str | None):
             try:
                 return list(datasets.load_dataset("parquet", data_files=path, split="train"))
             except Exception as exc:
-                raise UserError(f"cannot read {path} as parquet: {type(exc).__name__}: "
-                                f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
+                raise UserError(
+                    f"cannot read {path} as parquet: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                ) from None
         raise UserError(f"{path}: unsupported file type; use .jsonl, .json or .parquet")
     if os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")):
         raise UserError(f"dataset file {path} does not exist")
     if "/" not in path:
-        raise UserError(f"unknown dataset '{path}': use one of {sorted(BUILTIN_DATASETS + tuple(HUB_DATASETS))}, "
-                        "a hub id (owner/name) or a local .jsonl/.json/.parquet file")
+        raise UserError(
+            f"unknown dataset '{path}': use one of {sorted(BUILTIN_DATASETS + tuple(HUB_DATASETS))}, "
+            "a hub id (owner/name) or a local .jsonl/.json/.parquet file"
+        )
     import datasets
 
     reachable = hub_reachable()
@@ -408,8 +468,10 @@ def _load_rows(path: str, config: str | None, split: str | None):
     except Exception as exc:  # no network, unknown id, wrong split
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
         where = "the hub" if reachable else "the local cache (the hub is unreachable)"
-        raise UserError(f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
-                        "Without network, pass a local .jsonl/.json/.parquet file") from None
+        raise UserError(
+            f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
+            "Without network, pass a local .jsonl/.json/.parquet file"
+        ) from None
     return list(ds)
 
 
@@ -424,17 +486,21 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
                     prob["question"] += "\nYour code should pass these tests:\n" + "\n".join(prob["test_list"])
                 problems.append(prob)
             else:
-                raise UserError(f"{_row_place(rows, i, source)}: code dataset rows need HumanEval fields (prompt, "
-                                f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
-                                f"outputs); this row's fields are {list(row.keys())}")
+                raise UserError(
+                    f"{_row_place(rows, i, source)}: code dataset rows need HumanEval fields (prompt, "
+                    f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
+                    f"outputs); this row's fields are {list(row.keys())}"
+                )
         return problems
     _check_fields(rows, [q_field, a_field], source)
     problems, skipped = [], []
     for i, row in enumerate(rows):
         missing = [f for f in (q_field, a_field) if f not in row]
         if missing:
-            raise UserError(f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
-                            f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})")
+            raise UserError(
+                f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
+                f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})"
+            )
         answer = _transform_answer(row[a_field], transform)
         if answer is None or row[q_field] is None or str(row[q_field]).strip() == "":
             skipped.append(i)
@@ -442,11 +508,13 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
         # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
         problems.append({**row, "question": str(row[q_field]), "answer": answer})
     if not problems:
-        raise UserError(f"dataset {source}: no row had a usable question and answer "
-                        f"(fields {q_field!r}, {a_field!r})")
+        raise UserError(f"dataset {source}: no row had a usable question and answer (fields {q_field!r}, {a_field!r})")
     if skipped:
-        print(f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
-              f"usable answer (first: {_row_place(rows, skipped[0], source)})", file=sys.stderr)
+        print(
+            f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
+            f"usable answer (first: {_row_place(rows, skipped[0], source)})",
+            file=sys.stderr,
+        )
     return problems
 
 
@@ -495,8 +563,10 @@ def load_custom_reward(spec: str) -> CustomReward:
         return _CUSTOM_REWARDS[spec]
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
-        raise UserError(f"--reward must be auto, arith, math, code, or your own function as module:function or "
-                        f"path/to/file.py:function, not {spec!r}")
+        raise UserError(
+            f"--reward must be auto, arith, math, code, or your own function as module:function or "
+            f"path/to/file.py:function, not {spec!r}"
+        )
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
@@ -513,11 +583,14 @@ def load_custom_reward(spec: str) -> CustomReward:
     except UserError:
         raise
     except ModuleNotFoundError as exc:
-        raise UserError(f"--reward {spec}: cannot import {where} ({exc}); pass module:function for a module on "
-                        "the Python path or path/to/file.py:function") from None
+        raise UserError(
+            f"--reward {spec}: cannot import {where} ({exc}); pass module:function for a module on "
+            "the Python path or path/to/file.py:function"
+        ) from None
     except (Exception, SystemExit) as exc:  # SyntaxError, or anything the module raises while it is imported
-        raise UserError(f"--reward {spec}: importing {where} failed: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise UserError(
+            f"--reward {spec}: importing {where} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -527,8 +600,9 @@ def load_custom_reward(spec: str) -> CustomReward:
     try:
         inspect.signature(fn).bind("completion", {})
     except TypeError:
-        raise UserError(f"--reward {spec}: {attr}{inspect.signature(fn)} cannot be called as "
-                        f"{attr}(completion, problem)") from None
+        raise UserError(
+            f"--reward {spec}: {attr}{inspect.signature(fn)} cannot be called as {attr}(completion, problem)"
+        ) from None
     except ValueError:  # no signature (some builtins): checked at the first call instead
         pass
     _CUSTOM_REWARDS[spec] = CustomReward(spec, fn)
@@ -547,20 +621,27 @@ def _custom_rewards(reward: CustomReward, problems: Sequence[dict], completions:
             import traceback
 
             frame = traceback.extract_tb(exc.__traceback__)[-1]
-            raise RunError(f"reward function {reward.spec} raised {type(exc).__name__}: {exc} "
-                           f"(at {os.path.basename(frame.filename)}:{frame.lineno}) on completion {i} of the batch, "
-                           f"problem {question!r}; fix the function (a failing reward is never scored 0)") from None
+            raise RunError(
+                f"reward function {reward.spec} raised {type(exc).__name__}: {exc} "
+                f"(at {os.path.basename(frame.filename)}:{frame.lineno}) on completion {i} of the batch, "
+                f"problem {question!r}; fix the function (a failing reward is never scored 0)"
+            ) from None
         if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
             value = value.item()  # a one-element tensor or numpy array
         if not isinstance(value, numbers.Real):
-            raise RunError(f"reward function {reward.spec} returned {type(value).__name__} ({value!r:.60}) for "
-                           f"completion {i} of the batch, problem {question!r}; it must return a number")
+            raise RunError(
+                f"reward function {reward.spec} returned {type(value).__name__} ({value!r:.60}) for "
+                f"completion {i} of the batch, problem {question!r}; it must return a number"
+            )
         value = float(value)
         if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-            raise RunError(f"reward function {reward.spec} returned {value} for completion {i} of the batch, "
-                           f"problem {question!r}; rewards must be finite float32 numbers")
+            raise RunError(
+                f"reward function {reward.spec} returned {value} for completion {i} of the batch, "
+                f"problem {question!r}; rewards must be finite float32 numbers"
+            )
         values.append(value)
     return values
+
 
 # =============================================================================================
 # Part 2: rewards
@@ -596,11 +677,10 @@ def extract_boxed(text: str) -> str | None:
     fall back to an earlier box)."""
     if not isinstance(text, str):
         return None
-    last = None
-    for last in _BOXED_RE.finditer(text):
-        pass
-    if last is None:
+    boxes = list(_BOXED_RE.finditer(text))
+    if not boxes:
         return None
+    last = boxes[-1]
     depth = 1
     for m in _BRACE_RE.finditer(text, last.end()):
         token = m.group()
@@ -1695,8 +1775,7 @@ def _code_job(completion: str, problem: dict) -> dict | None:
         else:  # HumanEval's own format: the completion continues the prompt (a function body)
             program = prompt + code
         secret = {"test": test, "prompt": prompt, "prompt_helpers": helpers}
-        return {"mode": "humaneval", "program": program, "entry_point": entry_point, "names": [entry_point],
-                "secret": secret}
+        return {"mode": "humaneval", "program": program, "entry_point": entry_point, "names": [entry_point], "secret": secret}
     if "test_list" in problem:
         tests = _strings(problem["test_list"], "test_list")
         setup = _string(problem.get("test_setup_code"), "test_setup_code", default="")
@@ -1724,9 +1803,7 @@ def _check_timeout(timeout) -> float:
     return float(timeout)
 
 
-def code_verdict(
-    completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S, mode: str | None = None
-) -> SandboxResult:
+def code_verdict(completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S, mode: str | None = None) -> SandboxResult:
     """`code_reward` with the details: status, sandbox mode, elapsed time, stderr tail."""
     timeout = _check_timeout(timeout)
     job = _code_job(completion if isinstance(completion, str) else "", problem)
@@ -1799,9 +1876,7 @@ def _benchmark() -> None:
     golds = [str(rng.randint(-999, 999)) for _ in range(400)]
     preds = [g if i % 2 else str(int(g) + 1) for i, g in enumerate(golds)]
     math_pairs = [(f"{reasoning} So the answer is $\\boxed{{{p}.0}}$.", g) for p, g in zip(preds, golds)]
-    math_pairs += [
-        (f"{reasoning} Hence $\\boxed{{\\frac{{{2 * int(p)}}}{{4}}}}$.", f"{g}/2") for p, g in zip(preds, golds)
-    ]
+    math_pairs += [(f"{reasoning} Hence $\\boxed{{\\frac{{{2 * int(p)}}}{{4}}}}$.", f"{g}/2") for p, g in zip(preds, golds)]
     math_reward(*math_pairs[0])  # start a worker
     start = time.perf_counter()
     serial = [math_reward(c, a) for c, a in math_pairs]
@@ -1810,8 +1885,10 @@ def _benchmark() -> None:
     batch = math_rewards_batch([c for c, _ in math_pairs], [a for _, a in math_pairs])
     batch_s = time.perf_counter() - start
     assert serial == batch and sum(serial) == len(math_pairs) / 2, "benchmark answers misjudged"
-    print(f"math_reward: {len(math_pairs) / serial_s:.0f} calls/s serial (one worker), "
-          f"{len(math_pairs) / batch_s:.0f} calls/s math_rewards_batch ({_num_cores()} workers)")
+    print(
+        f"math_reward: {len(math_pairs) / serial_s:.0f} calls/s serial (one worker), "
+        f"{len(math_pairs) / batch_s:.0f} calls/s math_rewards_batch ({_num_cores()} workers)"
+    )
     start = time.perf_counter()
     for c, a in math_pairs * 5:
         arith_reward(c, a)
@@ -1825,9 +1902,11 @@ def _benchmark() -> None:
     rewards = code_rewards_batch(solutions, problems)
     batch_s = time.perf_counter() - start
     assert all(r == 1.0 for r in serial_code + rewards), "a HumanEval canonical solution failed"
-    print(f"code_reward ({sandbox_mode()} sandbox): {40 / serial_s:.1f} calls/s serial, "
-          f"{len(problems) / batch_s:.1f} calls/s code_rewards_batch ({_num_cores()} at a time); "
-          f"164 HumanEval canonical solutions in {batch_s:.1f} s")
+    print(
+        f"code_reward ({sandbox_mode()} sandbox): {40 / serial_s:.1f} calls/s serial, "
+        f"{len(problems) / batch_s:.1f} calls/s code_rewards_batch ({_num_cores()} at a time); "
+        f"164 HumanEval canonical solutions in {batch_s:.1f} s"
+    )
 
 
 if __name__ == "__main__":

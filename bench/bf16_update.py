@@ -38,8 +38,11 @@ def main():
             m.load_state_dict({k: v.float() for k, v in init.items()}, strict=False)
         for m in (old, new, ref):
             tp._train(m, 10, lr)
-        for name, m in (("bf16 weights (old CUDA path)", old), ("fp32 master + bf16 autocast (new CUDA path)", new),
-                        ("fp32 (CPU path)", ref)):
+        for name, m in (
+            ("bf16 weights (old CUDA path)", old),
+            ("fp32 master + bf16 autocast (new CUDA path)", new),
+            ("fp32 (CPU path)", ref),
+        ):
             frac, dw = tp._changed(init, dict(m.named_parameters()))
             print(f"| {lr:g} | {name} | {100 * frac:.1f}% | {dw:.3g} |")
         frac, _ = tp._changed(init, {k: v.detach().to(torch.bfloat16) for k, v in new.named_parameters()})

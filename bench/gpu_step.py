@@ -1,4 +1,4 @@
-"""Tokens/s, peak GPU memory and MFU of grpo.py's training step for a 0.5B-1.5B model (issue 8, item 5).
+"""Tokens/s, peak GPU memory and MFU of grpo.py's training step for a 0.5B-1.5B model.
 
 The device machine has no network and the working tree travels with at most 64 MiB, so no real checkpoint can
 reach it. The model is therefore built from its published config (Qwen2.5-0.5B / -1.5B, written out below) with
@@ -42,15 +42,42 @@ import grpo  # noqa: E402
 
 # Published configs (config.json of the hub repos), only the fields that set the shapes.
 CONFIGS = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True,
-                 max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 # bf16 dense peak FLOP/s (vendor data sheets, no sparsity)
@@ -91,8 +118,7 @@ def build_model(name: str, model_path: str, device: torch.device, dtype: torch.d
 def linear_params(model) -> tuple[int, int]:
     """(parameters of the decoder's linear layers, parameters of the LM head)."""
     head = model.get_output_embeddings()
-    body = sum(m.weight.numel() for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and m is not head)
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
     return body, head.weight.numel()
 
 
@@ -121,8 +147,12 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
-    out = {"config": name if not a.model else a.model, "params_M": round(n_params / 1e6, 1), "dtype": f"{dtype} weights, {autocast_dtype or 'no'} autocast",
-           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    out = {
+        "config": name if not a.model else a.model,
+        "params_M": round(n_params / 1e6, 1),
+        "dtype": f"{dtype} weights, {autocast_dtype or 'no'} autocast",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
 
     # generation: gen_prompts x G rows through the HF engine
     engine = common.HFEngine(model, tokenizer, gen_batch_size=a.gen_batch_size)
@@ -134,8 +164,13 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     sync(device)
     gen_s = time.perf_counter() - t0
     gen_tokens = int(rollout.completion_lengths.sum())
-    out.update(gen_rows=len(rollout), gen_tokens=gen_tokens, gen_s=round(gen_s, 2),
-               gen_tokens_per_s=round(gen_tokens / gen_s, 1), gen_peak_gb=round(common.peak_memory_gb(device), 2))
+    out.update(
+        gen_rows=len(rollout),
+        gen_tokens=gen_tokens,
+        gen_s=round(gen_s, 2),
+        gen_tokens_per_s=round(gen_tokens / gen_s, 1),
+        gen_peak_gb=round(common.peak_memory_gb(device), 2),
+    )
     del rollout
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -172,13 +207,20 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     t_fb = statistics.median(fwd_bwd)
     flops = train_flops(model, a.prompt_len, a.completion_len, rows)
     train_tokens = rows * (a.prompt_len + a.completion_len)
-    out.update(train_rows=rows, micro_batches=len(micro), row_tokens=a.prompt_len + a.completion_len,
-               fwd_bwd_s=round(t_fb, 3), fwd_bwd_s_min=round(min(fwd_bwd), 3), fwd_bwd_s_max=round(max(fwd_bwd), 3),
-               optimizer_s=round(statistics.median(opt_s), 3),
-               train_tokens_per_s=round(train_tokens / t_fb, 1),
-               step_tokens_per_s=round(train_tokens / (t_fb + statistics.median(opt_s)), 1),
-               model_tflop_per_step=round(flops / 1e12, 2), achieved_tflops=round(flops / t_fb / 1e12, 1),
-               train_peak_gb=round(common.peak_memory_gb(device), 2))
+    out.update(
+        train_rows=rows,
+        micro_batches=len(micro),
+        row_tokens=a.prompt_len + a.completion_len,
+        fwd_bwd_s=round(t_fb, 3),
+        fwd_bwd_s_min=round(min(fwd_bwd), 3),
+        fwd_bwd_s_max=round(max(fwd_bwd), 3),
+        optimizer_s=round(statistics.median(opt_s), 3),
+        train_tokens_per_s=round(train_tokens / t_fb, 1),
+        step_tokens_per_s=round(train_tokens / (t_fb + statistics.median(opt_s)), 1),
+        model_tflop_per_step=round(flops / 1e12, 2),
+        achieved_tflops=round(flops / t_fb / 1e12, 1),
+        train_peak_gb=round(common.peak_memory_gb(device), 2),
+    )
     out["mfu"] = round(flops / t_fb / (peak_tflops * 1e12), 4) if peak_tflops else None
     del model, optimizer, engine
     return out
@@ -209,15 +251,28 @@ def main():
     if peak is None and device.type == "cuda":
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
-    print(f"{time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__}, device "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, peak bf16 {peak} TFLOP/s", flush=True)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__}, device "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, peak bf16 {peak} TFLOP/s",
+        flush=True,
+    )
     results = []
-    for name in ([a.model] if a.model else a.configs):
+    for name in [a.model] if a.model else a.configs:
         r = run_config(name, a, device, peak)
         results.append(r)
         print(json.dumps(r), flush=True)
-    keys = ["config", "params_M", "gen_tokens_per_s", "gen_peak_gb", "fwd_bwd_s", "optimizer_s", "train_tokens_per_s",
-            "achieved_tflops", "mfu", "train_peak_gb"]
+    keys = [
+        "config",
+        "params_M",
+        "gen_tokens_per_s",
+        "gen_peak_gb",
+        "fwd_bwd_s",
+        "optimizer_s",
+        "train_tokens_per_s",
+        "achieved_tflops",
+        "mfu",
+        "train_peak_gb",
+    ]
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in results:
         print("| " + " | ".join(str(r[k]) for k in keys) + " |")

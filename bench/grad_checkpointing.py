@@ -5,7 +5,7 @@ scripts load it; rows of random token ids (prompt + completion, every completion
 common.completion_logps and grpo.compute_policy_loss, then backward. Modes, each in a fresh subprocess:
   off   --gradient-checkpointing not set;
   on    --gradient-checkpointing set (load_model puts the model in training mode, so layers are checkpointed);
-  eval  the flag set but the model left in eval mode, as load_model did before issue 14: transformers then
+  eval  the flag set but the model left in eval mode, as an older load_model did: transformers then
         checkpoints nothing, and memory equals `off`.
 Each child runs one warm-up pass (it allocates the gradients), then the measured pass with the gradients
 kept allocated, so the reported growth of peak resident memory (VmHWM, reset through /proc/self/clear_refs,
@@ -76,8 +76,7 @@ print(json.dumps({"mode": mode, "rows": rows, "tokens": rows * (prompt_len + com
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", nargs="+", default=["4x64x192", "8x64x448"],
-                   help="rows x prompt tokens x completion tokens")
+    p.add_argument("--sizes", nargs="+", default=["4x64x192", "8x64x448"], help="rows x prompt tokens x completion tokens")
     p.add_argument("--modes", nargs="+", default=["off", "on", "eval"])
     p.add_argument("--out", default="", help="also write the raw JSON rows here")
     o = p.parse_args()
@@ -86,22 +85,27 @@ def main():
     for size in o.sizes:
         rows, plen, clen = (int(x) for x in size.split("x"))
         for mode in o.modes:
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, str(rows), str(plen), str(clen)],
-                                 capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, mode, str(rows), str(plen), str(clen)], capture_output=True, text=True
+            )
             if out.returncode != 0:
                 raise SystemExit(f"{mode} {size} failed:\n{out.stderr[-3000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(r)
             print(json.dumps(r), flush=True)
-    print("| rows x tokens | mode | training mode | checkpoint calls | layer forwards | fwd+bwd s | "
-          "peak RSS growth GB | memory vs off | time vs off | others' load (cores) |")
+    print(
+        "| rows x tokens | mode | training mode | checkpoint calls | layer forwards | fwd+bwd s | "
+        "peak RSS growth GB | memory vs off | time vs off | others' load (cores) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ref = next(x for x in results if x["mode"] == "off" and x["tokens"] == r["tokens"] and x["rows"] == r["rows"])
-        print(f"| {r['rows']} x {r['tokens'] // r['rows']} | {r['mode']} | {r['training']} | {r['checkpoint_calls']} | "
-              f"{r['layer_forwards']} | {r['s']:.2f} | {r['peak_growth_gb']:.2f} | "
-              f"{r['peak_growth_gb'] / max(ref['peak_growth_gb'], 1e-9):.2f} | {r['s'] / max(ref['s'], 1e-9):.2f} | "
-              f"{r['others_cores']:.2f} |")
+        print(
+            f"| {r['rows']} x {r['tokens'] // r['rows']} | {r['mode']} | {r['training']} | {r['checkpoint_calls']} | "
+            f"{r['layer_forwards']} | {r['s']:.2f} | {r['peak_growth_gb']:.2f} | "
+            f"{r['peak_growth_gb'] / max(ref['peak_growth_gb'], 1e-9):.2f} | {r['s'] / max(ref['s'], 1e-9):.2f} | "
+            f"{r['others_cores']:.2f} |"
+        )
     print(f"done {time.strftime('%H:%M:%S')}")
     if o.out:
         with open(o.out, "w") as f:

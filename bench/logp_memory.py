@@ -37,7 +37,8 @@ else:
     pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=pos).logits.float()
     logp = torch.log_softmax(logits[:, -T - 1:-1], -1).gather(-1, tb.completion_ids.unsqueeze(-1)).squeeze(-1)
-    _ = (torch.softmax(logits[:, -T - 1:-1].detach(), -1) * torch.log_softmax(logits[:, -T - 1:-1].detach(), -1)).sum(-1)  # entropy
+    shifted = logits[:, -T - 1 : -1].detach()
+    _ = (torch.softmax(shifted, -1) * torch.log_softmax(shifted, -1)).sum(-1)  # entropy
 (logp * tb.completion_mask).sum().backward()
 print(json.dumps({"mode": mode, "T": T, "peak_mb": rss() - base, "s": time.perf_counter() - t0}))
 """.replace("ROOT", repr(ROOT))
@@ -54,15 +55,23 @@ def main():
     results = {}
     for T in lengths:
         for mode in ("naive", "chunked"):
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, str(T), str(opts.chunk_tokens)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, mode, str(T), str(opts.chunk_tokens)], capture_output=True, text=True, check=True
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results[(mode, T)] = r
     print(f"chunk = {opts.chunk_tokens} tokens")
-    print("| completion tokens T | naive full log-softmax peak MB | chunked peak MB | ratio chunked/naive | naive s | chunked s |")
+    print(
+        "| completion tokens T | naive full log-softmax peak MB | chunked peak MB | ratio chunked/naive "
+        "| naive s | chunked s |"
+    )
     print("|---|---|---|---|---|---|")
     for T in lengths:
         n, c = results[("naive", T)], results[("chunked", T)]
-        print(f"| {T} | {n['peak_mb']:.0f} | {c['peak_mb']:.0f} | {c['peak_mb'] / max(n['peak_mb'], 1e-9):.2f} | {n['s']:.2f} | {c['s']:.2f} |")
+        print(
+            f"| {T} | {n['peak_mb']:.0f} | {c['peak_mb']:.0f} | {c['peak_mb'] / max(n['peak_mb'], 1e-9):.2f} "
+            f"| {n['s']:.2f} | {c['s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

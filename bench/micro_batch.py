@@ -20,11 +20,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
+from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wait_quiet  # noqa: E402
 
 import common  # noqa: E402
-import verifiers  # noqa: E402
 import grpo  # noqa: E402
-from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wait_quiet  # noqa: E402
+import verifiers  # noqa: E402
 
 
 def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages) -> dict:
@@ -51,9 +51,15 @@ def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages)
         (loss * common.accumulation_weight("token-mean", tb.completion_mask, mb_tokens, len(micro), B)).backward()
     seconds = time.perf_counter() - t0
     others.__exit__(None, None, None)
-    return {"budget": budget, "micro_batches": len(micros), "padded_tokens": padded, "real_tokens": sum(lengths),
-            "s": seconds, "peak_growth_gb": peak_rss_gb() - base,
-            "others": others.cores}
+    return {
+        "budget": budget,
+        "micro_batches": len(micros),
+        "padded_tokens": padded,
+        "real_tokens": sum(lengths),
+        "s": seconds,
+        "peak_growth_gb": peak_rss_gb() - base,
+        "others": others.cores,
+    }
 
 
 def main():
@@ -69,7 +75,9 @@ def main():
     common.seed_everything(o.seed)
     tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
     model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
-    engine = common.make_engine("hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3)
+    engine = common.make_engine(
+        "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
+    )
     task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in problems]
@@ -79,14 +87,21 @@ def main():
     pad_id = tokenizer.pad_token_id
     small = common.RolloutBatch.from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
     train_pass(model, small, 4096, pad_id, o.chunk_tokens, advantages)  # warm-up
-    print(f"{B} rows, mean completion {int(rollout.completion_lengths.sum()) / B:.1f} tokens, "
-          f"threads {torch.get_num_threads()}")
-    print("| --micro-batch-tokens | micro-batches | padded tokens (real) | fwd+bwd s | peak RSS growth GB | others' load (cores) |")
+    print(
+        f"{B} rows, mean completion {int(rollout.completion_lengths.sum()) / B:.1f} tokens, threads {torch.get_num_threads()}"
+    )
+    print(
+        "| --micro-batch-tokens | micro-batches | padded tokens (real) | fwd+bwd s | peak RSS growth GB "
+        "| others' load (cores) |"
+    )
     print("|---|---|---|---|---|---|")
     for budget in o.budgets:
         r = train_pass(model, rollout, budget, pad_id, o.chunk_tokens, advantages)
-        print(f"| {budget} | {r['micro_batches']} | {r['padded_tokens']} ({r['real_tokens']}) | {r['s']:.2f} | "
-              f"{r['peak_growth_gb']:.2f} | {r['others']:.2f} |", flush=True)
+        print(
+            f"| {budget} | {r['micro_batches']} | {r['padded_tokens']} ({r['real_tokens']}) | {r['s']:.2f} | "
+            f"{r['peak_growth_gb']:.2f} | {r['others']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,14 @@ def main():
     print(f"{len(params)} parameter tensors, {n / 1e6:.1f}M parameters, threads {torch.get_num_threads()}")
     print("| AdamW implementation | step s (median of 3, after 1 warm-up) |\n|---|---|")
     results = {}
-    for name, kw in [("for-loop (foreach=False, torch CPU default)", {"foreach": False}), ("foreach=True", {"foreach": True}),
-                     ("fused=True", {"fused": True})]:
+    for name, kw in [
+        ("for-loop (foreach=False, torch CPU default)", {"foreach": False}),
+        ("foreach=True", {"foreach": True}),
+        ("fused=True", {"fused": True}),
+    ]:
         opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.99), **kw)
         times = []
-        for i in range(4):
+        for _ in range(4):
             t0 = time.perf_counter()
             opt.step()
             times.append(time.perf_counter() - t0)

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
-import verifiers  # noqa: E402
 import grpo  # noqa: E402
+import verifiers  # noqa: E402
 
 
 class ChunkedLogp(torch.autograd.Function):
@@ -42,12 +42,12 @@ class ChunkedLogp(torch.autograd.Function):
         logps, ents, logzs = [], [], []
         with torch.no_grad():
             for s in range(0, hidden.shape[0], chunk):
-                logits = F.linear(hidden[s:s + chunk], weight, bias).float()
+                logits = F.linear(hidden[s : s + chunk], weight, bias).float()
                 if softcap:
                     logits = softcap * torch.tanh(logits / softcap)
                 logits.div_(temperature)
                 logz = torch.logsumexp(logits, dim=-1)
-                logps.append(logits.gather(-1, targets[s:s + chunk].unsqueeze(-1)).squeeze(-1) - logz)
+                logps.append(logits.gather(-1, targets[s : s + chunk].unsqueeze(-1)).squeeze(-1) - logz)
                 log_p = logits.sub_(logz.unsqueeze(-1))  # in place: log p = z - logz
                 ents.append(-(log_p.exp() * log_p).sum(-1))  # entropy = -sum p log p
                 logzs.append(logz)
@@ -66,19 +66,19 @@ class ChunkedLogp(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s:s + chunk]
+            h = hidden[s : s + chunk]
             raw = F.linear(h, weight, bias).float()
             z = softcap * torch.tanh(raw / softcap) if softcap else raw
-            g = grad_logp[s:s + chunk].float()
+            g = grad_logp[s : s + chunk].float()
             # d logp_y / d z_j = (1[j = y] - p_j) / T, times the incoming gradient g
-            dz = (z / T - logz[s:s + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
-            dz.scatter_add_(-1, targets[s:s + chunk].unsqueeze(-1), g.unsqueeze(-1))
+            dz = (z / T - logz[s : s + chunk].unsqueeze(-1)).exp_().mul_(-g.unsqueeze(-1))
+            dz.scatter_add_(-1, targets[s : s + chunk].unsqueeze(-1), g.unsqueeze(-1))
             dz.div_(T)
             if softcap:
                 dz.mul_(1 - (z / softcap) ** 2)
             dz = dz.to(h.dtype)
             if grad_h is not None:
-                grad_h[s:s + chunk] = dz @ weight
+                grad_h[s : s + chunk] = dz @ weight
             if grad_w is not None:
                 grad_w.addmm_(dz.t(), h)
             if grad_b is not None:
@@ -93,13 +93,15 @@ def candidate_completion_logps(model, batch, temperature, chunk_tokens=256, with
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     T = batch.completion_ids.shape[1]
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                  use_cache=False).last_hidden_state[:, -T - 1:-1, :]
+    hidden = body(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False).last_hidden_state[
+        :, -T - 1 : -1, :
+    ]
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     mask = batch.completion_mask.to(device).bool()
-    lp, ent = ChunkedLogp.apply(hidden[mask], head.weight, head.bias, batch.completion_ids.to(device)[mask],
-                                temperature, softcap, chunk_tokens)
+    lp, ent = ChunkedLogp.apply(
+        hidden[mask], head.weight, head.bias, batch.completion_ids.to(device)[mask], temperature, softcap, chunk_tokens
+    )
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, lp)
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, ent)
     return out, (entropy if with_entropy else None)
@@ -109,10 +111,14 @@ def backbone_only(model, batch, temperature, chunk_tokens=256, with_entropy=True
     device = next(model.parameters()).device
     attention = batch.attention_mask.to(device)
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=batch.input_ids.to(device), attention_mask=attention,
-                  position_ids=(attention.cumsum(-1) - 1).clamp(min=0), use_cache=False).last_hidden_state
+    hidden = body(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=attention,
+        position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+        use_cache=False,
+    ).last_hidden_state
     T = batch.completion_ids.shape[1]
-    return hidden[:, -T - 1:-1, :].sum(-1), None
+    return hidden[:, -T - 1 : -1, :].sum(-1), None
 
 
 def fwd_bwd(fn, model, tb, chunk):
@@ -146,7 +152,9 @@ def main():
     if o.force_length:
         model.generation_config.min_new_tokens = o.max_new_tokens
     optimizer, scheduler = common.make_optimizer(model, 1e-5, 0.0, 2)
-    engine = common.make_engine("hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3)
+    engine = common.make_engine(
+        "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
+    )
     task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in problems]
@@ -157,15 +165,14 @@ def main():
     gen_s = time.perf_counter() - t0
     B = len(rollout)
     n_tok = int(rollout.completion_lengths.sum())
-    print(f"\n## generation: {B} rows, {n_tok / B:.1f} completion tokens/row, {gen_s:.2f} s "
-          f"({n_tok / gen_s:.1f} tokens/s)")
+    print(f"\n## generation: {B} rows, {n_tok / B:.1f} completion tokens/row, {gen_s:.2f} s ({n_tok / gen_s:.1f} tokens/s)")
 
     pad_id = tokenizer.pad_token_id
     tb = common.rows_batch(rollout, range(len(rollout)), pad_id)
-    print(f"train batch: {tuple(tb.input_ids.shape)} (rows x padded length), {int(tb.completion_mask.sum())} "
-          f"completion tokens")
-    fwd_bwd(common.completion_logps, model, common.rows_batch(rollout, range(2),
-                                                            pad_id), o.chunk_tokens)  # warm-up
+    print(
+        f"train batch: {tuple(tb.input_ids.shape)} (rows x padded length), {int(tb.completion_mask.sum())} completion tokens"
+    )
+    fwd_bwd(common.completion_logps, model, common.rows_batch(rollout, range(2), pad_id), o.chunk_tokens)  # warm-up
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -108,19 +108,30 @@ def main() -> None:
 
     B, T, scale = a.rows, a.max_len, a.scale_rows / a.rows
     gb = 1e9
-    print(f"measured: B = {B} rollouts (G = {a.group}), prompt {a.prompt_len} tokens, {n_tokens} completion tokens "
-          f"(mean {n_tokens / B:.0f}, max {T}), ids uniform below {a.vocab}")
-    print(f"{'layout':<34}{'bytes/rollout':>15}{'bytes/compl. token':>20}{'build s':>9}{'lengths pass s':>16}"
-          f"{f'at {a.scale_rows} rollouts':>22}")
-    for name, nbytes, secs, acc in (("old lists (ints, floats)", old_bytes, old_s, old_access),
-                                    ("packed RolloutBatch", new_bytes, new_s, new_access)):
-        print(f"{name:<34}{nbytes / B:>15.0f}{nbytes / n_tokens:>20.2f}{secs:>9.2f}{acc:>16.3f}"
-              f"{nbytes * scale / gb:>19.1f} GB")
-    print(f"{'texts (same in both, str)':<34}{text_bytes / B:>15.0f}{text_bytes / n_tokens:>20.2f}{'':>25}"
-          f"{text_bytes * scale / gb:>19.1f} GB")
+    print(
+        f"measured: B = {B} rollouts (G = {a.group}), prompt {a.prompt_len} tokens, {n_tokens} completion tokens "
+        f"(mean {n_tokens / B:.0f}, max {T}), ids uniform below {a.vocab}"
+    )
+    print(
+        f"{'layout':<34}{'bytes/rollout':>15}{'bytes/compl. token':>20}{'build s':>9}{'lengths pass s':>16}"
+        f"{f'at {a.scale_rows} rollouts':>22}"
+    )
+    for name, nbytes, secs, acc in (
+        ("old lists (ints, floats)", old_bytes, old_s, old_access),
+        ("packed RolloutBatch", new_bytes, new_s, new_access),
+    ):
+        print(
+            f"{name:<34}{nbytes / B:>15.0f}{nbytes / n_tokens:>20.2f}{secs:>9.2f}{acc:>16.3f}{nbytes * scale / gb:>19.1f} GB"
+        )
+    print(
+        f"{'texts (same in both, str)':<34}{text_bytes / B:>15.0f}{text_bytes / n_tokens:>20.2f}{'':>25}"
+        f"{text_bytes * scale / gb:>19.1f} GB"
+    )
     dense = a.scale_rows * T * 4
-    print(f"dense fp32 (B, T) tensor of the shared blocks at {a.scale_rows} x {T}: {dense / gb:.2f} GB each "
-          f"(mask, old_logp, batch_logps' result while it is copied in, ref_logp with --beta > 0)")
+    print(
+        f"dense fp32 (B, T) tensor of the shared blocks at {a.scale_rows} x {T}: {dense / gb:.2f} GB each "
+        f"(mask, old_logp, batch_logps' result while it is copied in, ref_logp with --beta > 0)"
+    )
 
 
 if __name__ == "__main__":

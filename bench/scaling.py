@@ -93,9 +93,22 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
 
     common.load_model = load_model_min_len
     out_dir = tempfile.mkdtemp(prefix="bench_scaling_")
-    args = grpo.Args(model=common.EMBEDDED_MODEL, dataset="arith", engine="hf", seed=o.seed, total_steps=o.steps,
-                     prompts_per_step=o.prompts, num_generations=G, max_new_tokens=T, updates_per_batch=1,
-                     eval_limit=1, eval_samples=1, eval_k=[1], output_dir=out_dir, run_name="run")
+    args = grpo.Args(
+        model=common.EMBEDDED_MODEL,
+        dataset="arith",
+        engine="hf",
+        seed=o.seed,
+        total_steps=o.steps,
+        prompts_per_step=o.prompts,
+        num_generations=G,
+        max_new_tokens=T,
+        updates_per_batch=1,
+        eval_limit=1,
+        eval_samples=1,
+        eval_k=[1],
+        output_dir=out_dir,
+        run_name="run",
+    )
     gc.collect()
     try:  # hand freed heap back to the OS so the previous cell's memory does not count in this one
         import ctypes
@@ -120,13 +133,23 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
     def mean(key):
         return sum(r[key] for r in rows) / n
 
-    step_s = sum(r["perf/rollout_s"] + r["perf/train_s"] + r["perf/sync_s"] + r.get("perf/reward_s", 0.0)
-                 for r in rows) / n
+    step_s = sum(r["perf/rollout_s"] + r["perf/train_s"] + r["perf/sync_s"] + r.get("perf/reward_s", 0.0) for r in rows) / n
     tokens = mean("rollout/response_len_mean") * B
-    return {"G": G, "T": T, "B": B, "steps_measured": n, "step_s": step_s, "gen_s": mean("perf/rollout_s"),
-            "train_s": mean("perf/train_s"), "completion_len": mean("rollout/response_len_mean"),
-            "truncated_frac": mean("rollout/truncated_frac"), "tokens": tokens, "tok_per_s": tokens / step_s,
-            "peak_rss_gb": peak, "others_load_cores": others.cores}
+    return {
+        "G": G,
+        "T": T,
+        "B": B,
+        "steps_measured": n,
+        "step_s": step_s,
+        "gen_s": mean("perf/rollout_s"),
+        "train_s": mean("perf/train_s"),
+        "completion_len": mean("rollout/response_len_mean"),
+        "truncated_frac": mean("rollout/truncated_frac"),
+        "tokens": tokens,
+        "tok_per_s": tokens / step_s,
+        "peak_rss_gb": peak,
+        "others_load_cores": others.cores,
+    }
 
 
 def main():
@@ -138,34 +161,48 @@ def main():
     p.add_argument("--steps", type=int, default=1, help="steps per cell; with 2+ the first is dropped")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--natural", action="store_true", help="let completions stop at EOS (no min_new_tokens)")
-    p.add_argument("--wait-quiet", type=float, default=300.0,
-                   help="before each cell, wait up to this many seconds for other processes to go quiet")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=300.0,
+        help="before each cell, wait up to this many seconds for other processes to go quiet",
+    )
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     o = p.parse_args()
     os.makedirs(o.results, exist_ok=True)
     print("warm-up call (not reported)", flush=True)
     warm = argparse.Namespace(**{**vars(o), "steps": 1, "prompts": 2})
     run_cell(2, 8, warm, force=not o.natural)
-    grid = ([tuple(int(x) for x in c.split(":")) for c in o.cells.split(",")] if o.cells
-            else [(G, T) for G in o.G for T in o.lengths])
+    grid = (
+        [tuple(int(x) for x in c.split(":")) for c in o.cells.split(",")]
+        if o.cells
+        else [(G, T) for G in o.G for T in o.lengths]
+    )
     cells = []
     for G, T in grid:
         t0 = time.time()
         cell = run_cell(G, T, o, force=not o.natural)
         cells.append(cell)
-        print(f"cell G={G} T={T}: step {cell['step_s']:.1f}s (gen {cell['gen_s']:.1f}s, train {cell['train_s']:.1f}s), "
-              f"{cell['completion_len']:.1f} tokens/row, peak RSS {cell['peak_rss_gb']:.2f} GB, "
-              f"others' load {cell['others_load_cores']:.2f} cores, "
-              f"cell wall {time.time() - t0:.0f}s", flush=True)
+        print(
+            f"cell G={G} T={T}: step {cell['step_s']:.1f}s (gen {cell['gen_s']:.1f}s, train {cell['train_s']:.1f}s), "
+            f"{cell['completion_len']:.1f} tokens/row, peak RSS {cell['peak_rss_gb']:.2f} GB, "
+            f"others' load {cell['others_load_cores']:.2f} cores, "
+            f"cell wall {time.time() - t0:.0f}s",
+            flush=True,
+        )
     base = next((c for c in cells if c["G"] == 8 and c["T"] == 64), cells[0])
-    lines = [f"| G | max completion | B = P x G | mean completion tokens | truncated | step s | generation s | train s | "
-             f"completion tokens/s | s per 1k tokens | step vs G=8,T=64 | peak RSS GB | others' load (cores) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| G | max completion | B = P x G | mean completion tokens | truncated | step s | generation s | train s | "
+        "completion tokens/s | s per 1k tokens | step vs G=8,T=64 | peak RSS GB | others' load (cores) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in cells:
-        lines.append(f"| {c['G']} | {c['T']} | {c['B']} | {c['completion_len']:.1f} | {c['truncated_frac']:.2f} | "
-                     f"{c['step_s']:.1f} | {c['gen_s']:.1f} | {c['train_s']:.1f} | {c['tok_per_s']:.1f} | "
-                     f"{1000 * c['step_s'] / max(c['tokens'], 1):.1f} | {c['step_s'] / base['step_s']:.2f}x | "
-                     f"{c['peak_rss_gb']:.2f} | {c['others_load_cores']:.2f} |")
+        lines.append(
+            f"| {c['G']} | {c['T']} | {c['B']} | {c['completion_len']:.1f} | {c['truncated_frac']:.2f} | "
+            f"{c['step_s']:.1f} | {c['gen_s']:.1f} | {c['train_s']:.1f} | {c['tok_per_s']:.1f} | "
+            f"{1000 * c['step_s'] / max(c['tokens'], 1):.1f} | {c['step_s'] / base['step_s']:.2f}x | "
+            f"{c['peak_rss_gb']:.2f} | {c['others_load_cores']:.2f} |"
+        )
     table = "\n".join(lines)
     print(table)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -15,6 +15,7 @@ script is checked without a GPU (docs/vllm.md). In bf16 on a GPU, greedy paths c
 log-prob gaps are bf16-sized (~1e-2); the table reports them, it asserts only the discriminating checks.
 Exit status 1 if a push does not reach the engine, a restore does not restore, or sleep/wake breaks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ QUESTIONS = ["What is 12 + 7?", "Name a colour of the sky.", "Say hello in Frenc
 
 def greedy_vllm(engine, prompts, k):
     sp = engine._vllm.SamplingParams(n=1, temperature=0.0, max_tokens=k, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in engine.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                      sp, use_tqdm=False)]
+    return [
+        list(o.outputs[0].token_ids)
+        for o in engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    ]
 
 
 @torch.no_grad()
@@ -44,9 +47,14 @@ def greedy_hf(model, tok, prompts, k):
     out = []
     for p in prompts:
         ids = torch.tensor([p], device=dev)
-        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=k,
-                           pad_token_id=tok.pad_token_id)
-        out.append(g[0, len(p):].tolist())
+        g = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=k,
+            pad_token_id=tok.pad_token_id,
+        )
+        out.append(g[0, len(p) :].tolist())
     return out
 
 
@@ -54,8 +62,12 @@ def greedy_hf(model, tok, prompts, k):
 def logp_diff(model, rollout, pad_id, temperature):
     batch = common.rows_batch(rollout, range(len(rollout)), pad_id)
     trainer, _ = common.completion_logps(model, batch, temperature, with_entropy=False)
-    d = torch.cat([(torch.tensor(e) - trainer[i, :len(e)].float().cpu()).abs()
-                   for i, e in enumerate(map(rollout.engine_logp, range(len(rollout))))])
+    d = torch.cat(
+        [
+            (torch.tensor(e) - trainer[i, : len(e)].float().cpu()).abs()
+            for i, e in enumerate(map(rollout.engine_logp, range(len(rollout))))
+        ]
+    )
     return d.mean().item(), d.max().item()
 
 
@@ -64,8 +76,12 @@ def perturb(model, kind, seed=1):
     with torch.no_grad():
         for n, p in model.named_parameters():
             is_norm, is_linear, is_embed = "norm" in n, n.endswith("proj.weight"), "embed_tokens" in n
-            if kind == "all" or (kind == "norm" and is_norm) or (kind == "linear" and is_linear) or \
-                    (kind == "embed" and is_embed):
+            if (
+                kind == "all"
+                or (kind == "norm" and is_norm)
+                or (kind == "linear" and is_linear)
+                or (kind == "embed" and is_embed)
+            ):
                 p.add_((torch.randn(p.shape, generator=g) * (0.03 if is_norm else 0.02)).to(p.device, p.dtype))
 
 
@@ -88,6 +104,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import importlib.util
+
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed (GPU: pip install torch==2.14.0 vllm==0.33.0 -r requirements.txt; CPU: docs/vllm.md)")
         return 2
@@ -96,8 +113,16 @@ def main() -> int:
     tok = common.load_tokenizer(args.model)
     model = common.load_model(args.model, device)
     t = time.time()
-    engine = common.make_engine("vllm", model, tok, model_path=args.model, max_model_len=512, seed=0,
-                                gen_batch_size=64, gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = common.make_engine(
+        "vllm",
+        model,
+        tok,
+        model_path=args.model,
+        max_model_len=512,
+        seed=0,
+        gen_batch_size=64,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     start_s = time.time() - t
     import vllm
 
@@ -105,9 +130,11 @@ def main() -> int:
     pad = tok.pad_token_id
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     rows, ok = [], True
-    env = (f"vllm {vllm.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
-           f"torch {torch.__version__}, trainer {next(model.parameters()).dtype}, engine {engine.dtype}, "
-           f"sleep mode {engine.sleep_mode}, {args.model}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    env = (
+        f"vllm {vllm.__version__}, {'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
+        f"torch {torch.__version__}, trainer {next(model.parameters()).dtype}, engine {engine.dtype}, "
+        f"sleep mode {engine.sleep_mode}, {args.model}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
 
     def row(check, value, note=""):
         rows.append({"check": check, "value": value, "note": note})
@@ -116,10 +143,15 @@ def main() -> int:
     k = args.max_new_tokens
     gv, gh = greedy_vllm(engine, prompts, k), greedy_hf(model, tok, prompts, k)
     same = sum(a == b for a, b in zip(gv, gh))
-    first = ["=" if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-             for a, b in zip(gv, gh)]
-    row("greedy", f"{same}/{len(prompts)} identical", f"first differing position per prompt {first} (= identical; "
-        f"{k} tokens or EOS)")
+    first = [
+        "=" if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for a, b in zip(gv, gh)
+    ]
+    row(
+        "greedy",
+        f"{same}/{len(prompts)} identical",
+        f"first differing position per prompt {first} (= identical; {k} tokens or EOS)",
+    )
     for T in (1.0, 0.7):
         r = engine.generate(prompts, 4, k, T, seed=11, progress=False)
         m, x = logp_diff(model, r, pad, T)
@@ -138,8 +170,11 @@ def main() -> int:
         m_back, _ = logp_diff(model, r2, pad, 1.0)
         good = m_new * 10 < m_old and m_back * 10 < m_old
         ok &= good
-        row(f"push {kind}", f"vs perturbed {m_new:.1e} (max {x_new:.1e}), vs original {m_old:.1e}",
-            f"restored {m_back:.1e}; push {push_s:.2f} s; {'OK' if good else 'FAIL'}")
+        row(
+            f"push {kind}",
+            f"vs perturbed {m_new:.1e} (max {x_new:.1e}), vs original {m_old:.1e}",
+            f"restored {m_back:.1e}; push {push_s:.2f} s; {'OK' if good else 'FAIL'}",
+        )
 
     # sleep / wake (real memory release only where the platform has sleep mode)
     perturb(model, "all", seed=2)
@@ -171,13 +206,18 @@ def main() -> int:
     good = refused and m_kept * 10 < m_orig and m_wp * 10 < m_orig
     ok &= good
     if engine.sleep_mode:
-        row("sleep level 1", f"freed {asleep - before:.2f} GiB", f"free {before:.2f} -> {asleep:.2f} -> {awake:.2f} GiB "
-            f"(awake again); sleep {sleep_s:.2f} s, wake {wake_s:.2f} s")
+        row(
+            "sleep level 1",
+            f"freed {asleep - before:.2f} GiB",
+            f"free {before:.2f} -> {asleep:.2f} -> {awake:.2f} GiB (awake again); sleep {sleep_s:.2f} s, wake {wake_s:.2f} s",
+        )
     else:
         row("sleep level 1", "n/a", "no sleep mode on this platform (CPU build): only the engine's asleep state")
-    row("sleep/wake", f"kept {m_kept:.1e} vs original {m_orig:.1e}",
-        f"generate asleep refused: {refused}; wake(model) {wake_push_s:.2f} s then {m_wp:.1e}; "
-        f"{'OK' if good else 'FAIL'}")
+    row(
+        "sleep/wake",
+        f"kept {m_kept:.1e} vs original {m_orig:.1e}",
+        f"generate asleep refused: {refused}; wake(model) {wake_push_s:.2f} s then {m_wp:.1e}; {'OK' if good else 'FAIL'}",
+    )
 
     print(f"\n{env}")
     w = max(len(r_["check"]) for r_ in rows)

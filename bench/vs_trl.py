@@ -43,9 +43,16 @@ def read_steps(run_dir: str, B: int) -> list[dict]:
     out, prev_end = [], None
     for r in rows:
         timers = r["perf/rollout_s"] + r["perf/train_s"] + r["perf/sync_s"] + r.get("perf/reward_s", 0.0)
-        out.append({"step": r["step"], "step_s": None if prev_end is None else r["wall_s"] - prev_end,
-                    "timers_s": timers, "gen_s": r["perf/rollout_s"],
-                    "tokens": r["rollout/response_len_mean"] * B, "truncated_frac": r["rollout/truncated_frac"]})
+        out.append(
+            {
+                "step": r["step"],
+                "step_s": None if prev_end is None else r["wall_s"] - prev_end,
+                "timers_s": timers,
+                "gen_s": r["perf/rollout_s"],
+                "tokens": r["rollout/response_len_mean"] * B,
+                "truncated_frac": r["rollout/truncated_frac"],
+            }
+        )
         prev_end = r["wall_s"]
     return out
 
@@ -68,10 +75,26 @@ def child_ours(o) -> dict:
 
         common.load_model = load_model_min_len
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
-    args = grpo.Args(model=common.EMBEDDED_MODEL, dataset="arith", engine="hf", seed=o.seed, total_steps=o.steps,
-                     prompts_per_step=o.prompts, num_generations=o.G, max_new_tokens=o.max_new_tokens,
-                     temperature=1.0, learning_rate=1e-5, updates_per_batch=1, beta=0.0, loss_agg="token-mean",
-                     eval_limit=1, eval_samples=1, eval_k=[1], output_dir=out_dir, run_name="run")
+    args = grpo.Args(
+        model=common.EMBEDDED_MODEL,
+        dataset="arith",
+        engine="hf",
+        seed=o.seed,
+        total_steps=o.steps,
+        prompts_per_step=o.prompts,
+        num_generations=o.G,
+        max_new_tokens=o.max_new_tokens,
+        temperature=1.0,
+        learning_rate=1e-5,
+        updates_per_batch=1,
+        beta=0.0,
+        loss_agg="token-mean",
+        eval_limit=1,
+        eval_samples=1,
+        eval_k=[1],
+        output_dir=out_dir,
+        run_name="run",
+    )
     grpo.main(args)
     return {"side": "ours", "steps": read_steps(os.path.join(out_dir, "run"), o.prompts * o.G)}
 
@@ -92,27 +115,52 @@ def child_trl(o) -> dict:
     task = verifiers.load_task("arith", "train", o.seed)
     sampler = common.PromptSampler(len(task.problems), o.seed)  # the prompts grpo.main draws, in its order
     problems = [task.problems[i] for _ in range(o.steps) for i in sampler.sample(o.prompts)]
-    data = Dataset.from_list([{
-        "prompt": [{"role": "user", "content": f"{p['question'].strip()}\n\n{task.instruction.strip()}"}],
-        "answer": p["answer"]} for p in problems])
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"{p['question'].strip()}\n\n{task.instruction.strip()}"}],
+                "answer": p["answer"],
+            }
+            for p in problems
+        ]
+    )
 
     def arith_reward(prompts, completions, answer, **kw):
         return [verifiers.arith_reward(c[0]["content"], a) for c, a in zip(completions, answer)]
 
     out_dir = tempfile.mkdtemp(prefix="bench_trl_")
     config = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=o.prompts * o.G, num_generations=o.G,
-        max_completion_length=o.max_new_tokens, num_iterations=1, gradient_accumulation_steps=1,
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-5, use_vllm=False, bf16=False, fp16=False,
-        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2, max_grad_norm=1.0,
-        gradient_checkpointing=o.trl_gradient_checkpointing, report_to=[], logging_steps=1, save_strategy="no",
-        max_steps=o.steps, shuffle_dataset=False, seed=o.seed, dataloader_num_workers=0,
+        output_dir=out_dir,
+        per_device_train_batch_size=o.prompts * o.G,
+        num_generations=o.G,
+        max_completion_length=o.max_new_tokens,
+        num_iterations=1,
+        gradient_accumulation_steps=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=1e-5,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=0.2,
+        max_grad_norm=1.0,
+        gradient_checkpointing=o.trl_gradient_checkpointing,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        max_steps=o.steps,
+        shuffle_dataset=False,
+        seed=o.seed,
+        dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32},
         generation_kwargs={"min_new_tokens": o.max_new_tokens} if o.force_length else None,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=path, reward_funcs=arith_reward, args=config, train_dataset=data,
-                          processing_class=tokenizer)
+    trainer = GRPOTrainer(model=path, reward_funcs=arith_reward, args=config, train_dataset=data, processing_class=tokenizer)
 
     record = {"gen": [], "tokens": [], "truncated": [], "ends": [], "prompt_check": None}
     generate = trainer._generate
@@ -123,10 +171,12 @@ def child_trl(o) -> dict:
         record["gen"].append(time.perf_counter() - t0)
         prompt_ids, completion_ids = result[0], result[1]
         record["tokens"].append(sum(len(c) for c in completion_ids))
-        record["truncated"].append(sum(len(c) == o.max_new_tokens and c[-1] not in trainer.eos_token_ids
-                                       for c in completion_ids) / len(completion_ids))
+        record["truncated"].append(
+            sum(len(c) == o.max_new_tokens and c[-1] not in trainer.eos_token_ids for c in completion_ids)
+            / len(completion_ids)
+        )
         if record["prompt_check"] is None:  # same token ids as common.format_prompt?
-            step_problems = problems[:o.prompts]
+            step_problems = problems[: o.prompts]
             ours = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in step_problems]
             theirs = [list(prompt_ids[i * o.G]) for i in range(o.prompts)]
             record["prompt_check"] = ours == theirs
@@ -145,9 +195,15 @@ def child_trl(o) -> dict:
     trainer.train()
     steps = []
     for k in range(o.steps):
-        steps.append({"step": k + 1, "step_s": record["ends"][k + 1] - record["ends"][k] if k else None,
-                      "gen_s": record["gen"][k], "tokens": record["tokens"][k],
-                      "truncated_frac": record["truncated"][k]})
+        steps.append(
+            {
+                "step": k + 1,
+                "step_s": record["ends"][k + 1] - record["ends"][k] if k else None,
+                "gen_s": record["gen"][k],
+                "tokens": record["tokens"][k],
+                "truncated_frac": record["truncated"][k],
+            }
+        )
     return {"side": "trl", "steps": steps, "prompt_ids_match_ours": record["prompt_check"]}
 
 
@@ -157,9 +213,24 @@ def child_trl(o) -> dict:
 
 def run_child(side: str, o, log_dir: str, tag: str) -> dict:
     out_json = os.path.join(log_dir, f"{tag}_{side}.json")
-    cmd = [o.python, os.path.abspath(__file__), "--child", side, "--out-json", out_json,
-           "--steps", str(o.steps), "--prompts", str(o.prompts), "--G", str(o.G),
-           "--max-new-tokens", str(o.max_new_tokens), "--seed", str(o.seed)]
+    cmd = [
+        o.python,
+        os.path.abspath(__file__),
+        "--child",
+        side,
+        "--out-json",
+        out_json,
+        "--steps",
+        str(o.steps),
+        "--prompts",
+        str(o.prompts),
+        "--G",
+        str(o.G),
+        "--max-new-tokens",
+        str(o.max_new_tokens),
+        "--seed",
+        str(o.seed),
+    ]
     cmd += ["--force-length"] if o.force_length else []
     cmd += ["--trl-gradient-checkpointing"] if o.trl_gradient_checkpointing else []
     with open(os.path.join(log_dir, f"{tag}_{side}.log"), "w") as log:
@@ -171,8 +242,11 @@ def run_child(side: str, o, log_dir: str, tag: str) -> dict:
     result = json.load(open(out_json))
     result["peak_rss_gb"] = usage.ru_maxrss / 2**20  # KiB on Linux
     result["process_s"] = time.time() - t0
-    print(f"  {tag} {side}: peak RSS {result['peak_rss_gb']:.2f} GB, process {result['process_s']:.0f} s, steps "
-          + ", ".join(f"{s['step_s']:.1f}s" if s["step_s"] else "warm-up" for s in result["steps"]), flush=True)
+    print(
+        f"  {tag} {side}: peak RSS {result['peak_rss_gb']:.2f} GB, process {result['process_s']:.0f} s, steps "
+        + ", ".join(f"{s['step_s']:.1f}s" if s["step_s"] else "warm-up" for s in result["steps"]),
+        flush=True,
+    )
     return result
 
 
@@ -193,8 +267,13 @@ def summarize(runs: list[dict], o) -> str:
             return [s["tokens"] / B for s in measured(r)]
         return [s[key] for s in measured(r)]
 
-    rows = [("step time (s)", "step_s"), ("generation (s)", "gen_s"), ("rest of step: rewards + train (s)", "train_s"),
-            ("completion tokens / s", "tok_per_s"), ("mean completion tokens", "len")]
+    rows = [
+        ("step time (s)", "step_s"),
+        ("generation (s)", "gen_s"),
+        ("rest of step: rewards + train (s)", "train_s"),
+        ("completion tokens / s", "tok_per_s"),
+        ("mean completion tokens", "len"),
+    ]
     lines = ["| per step | ours median | TRL median | ours/TRL min | median | max |", "|---|---|---|---|---|---|"]
     ratios_out = {}
     for label, key in rows:
@@ -203,21 +282,27 @@ def summarize(runs: list[dict], o) -> str:
         # pair step k of repeat r on both sides (same prompts), then min/median/max over the pairs
         ratios = [x / y for ro, rt in zip(ours, trl) for x, y in zip(per_step(ro, key), per_step(rt, key))]
         ratios_out[key] = ratios
-        lines.append(f"| {label} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {min(ratios):.2f} | "
-                     f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |")
+        lines.append(
+            f"| {label} | {statistics.median(a):.2f} | {statistics.median(b):.2f} | {min(ratios):.2f} | "
+            f"{statistics.median(ratios):.2f} | {max(ratios):.2f} |"
+        )
     mem = [ro["peak_rss_gb"] / rt["peak_rss_gb"] for ro, rt in zip(ours, trl)]
     ratios_out["peak_rss"] = mem
-    lines.append(f"| peak resident memory (GB, per process) | {statistics.median(r['peak_rss_gb'] for r in ours):.2f} | "
-                 f"{statistics.median(r['peak_rss_gb'] for r in trl):.2f} | {min(mem):.2f} | {statistics.median(mem):.2f} | "
-                 f"{max(mem):.2f} |")
+    lines.append(
+        f"| peak resident memory (GB, per process) | {statistics.median(r['peak_rss_gb'] for r in ours):.2f} | "
+        f"{statistics.median(r['peak_rss_gb'] for r in trl):.2f} | {min(mem):.2f} | {statistics.median(mem):.2f} | "
+        f"{max(mem):.2f} |"
+    )
     n_pairs = len(ratios_out["step_s"])
     lines.append("")
-    lines.append(f"{len(ours)} repeats x {o.steps - 1} measured steps = {n_pairs} paired steps per side; "
-                 f"P={o.prompts}, G={o.G}, max completion {o.max_new_tokens}"
-                 f"{', forced to full length' if o.force_length else ', natural EOS'}. "
-                 f"Truncated fraction ours {statistics.median(s['truncated_frac'] for r in ours for s in measured(r)):.2f}, "
-                 f"TRL {statistics.median(s['truncated_frac'] for r in trl for s in measured(r)):.2f}. "
-                 f"TRL prompt ids identical to ours: {all(r.get('prompt_ids_match_ours') for r in trl)}.")
+    lines.append(
+        f"{len(ours)} repeats x {o.steps - 1} measured steps = {n_pairs} paired steps per side; "
+        f"P={o.prompts}, G={o.G}, max completion {o.max_new_tokens}"
+        f"{', forced to full length' if o.force_length else ', natural EOS'}. "
+        f"Truncated fraction ours {statistics.median(s['truncated_frac'] for r in ours for s in measured(r)):.2f}, "
+        f"TRL {statistics.median(s['truncated_frac'] for r in trl for s in measured(r)):.2f}. "
+        f"TRL prompt ids identical to ours: {all(r.get('prompt_ids_match_ours') for r in trl)}."
+    )
     return "\n".join(lines), ratios_out
 
 
@@ -232,8 +317,11 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--force-length", action="store_true", help="min_new_tokens = max_new_tokens on both sides")
-    p.add_argument("--trl-gradient-checkpointing", action="store_true",
-                   help="TRL's own default (True); off by default here because ours is off by default")
+    p.add_argument(
+        "--trl-gradient-checkpointing",
+        action="store_true",
+        help="TRL's own default (True); off by default here because ours is off by default",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter for both children (needs trl)")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="folder for JSON and logs")
     o = p.parse_args()

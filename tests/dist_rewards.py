@@ -1,4 +1,5 @@
 """Custom rewards for tests/test_distributed.py (--reward tests/dist_rewards.py:<name>)."""
+
 import os
 
 

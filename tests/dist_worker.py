@@ -11,6 +11,7 @@ under `python -m torch.distributed.run --nproc-per-node 2` (gloo on CPU).
                                               default averaging reduce-scatter) or "local_tokens" (per-rank
                                               denominators) are the defects the exactness test must catch.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,15 +38,14 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True,
-                 group_ids=None):
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
         out = common.RolloutBatch()
         for i, ids in enumerate(prompt_ids):
             g = group_ids[i] if group_ids is not None else i  # world size 1: prompt i is global group i
             for j in range(n):
                 rng = random.Random(f"{seed}/{g}/{j}")
                 text = "x" * rng.randrange(0, 3) + str(rng.choice([1, 2, 3]))
-                toks = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens - 1] + [self.eos]
+                toks = self.tokenizer.encode(text, add_special_tokens=False)[: max_new_tokens - 1] + [self.eos]
                 out.append_row(ids, toks, self.tokenizer.decode(toks, skip_special_tokens=True), "stop")
         return out
 
@@ -93,12 +93,68 @@ def losses():
     import grpo
     import mugrpo
 
-    out = [(f"grpo_{agg}", agg, lambda lp, old, adv, m, agg=agg: grpo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.28, loss_agg=agg, max_tokens=T_MAX)[0])
-        for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
-    out.append(("gapo_token", "token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="token")[0]))
-    out.append(("gapo_sequence", "seq-mean-token-mean", lambda lp, old, adv, m: gapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="sequence")[0]))
-    out.append(("mugrpo", "token-mean", lambda lp, old, adv, m: mugrpo.compute_policy_loss(lp, old, adv, m, eps_low=1.0, eps_high=4.0, keep=mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"))[0]))
-    out.append(("codapo", "token-mean", lambda lp, old, adv, m: codapo.compute_policy_loss(lp, old, adv, m, eps_low=0.2, eps_high=0.28, loss_agg="token-mean", ref_logp=None, beta=0.0, max_tokens=T_MAX, dual_clip_c=1.5)[0]))
+    out = [
+        (
+            f"grpo_{agg}",
+            agg,
+            lambda lp, old, adv, m, agg=agg: grpo.compute_policy_loss(
+                lp, old, adv, m, eps_low=0.2, eps_high=0.28, loss_agg=agg, max_tokens=T_MAX
+            )[0],
+        )
+        for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    ]
+    out.append(
+        (
+            "gapo_token",
+            "token-mean",
+            lambda lp, old, adv, m: gapo.compute_policy_loss(
+                lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="token"
+            )[0],
+        )
+    )
+    out.append(
+        (
+            "gapo_sequence",
+            "seq-mean-token-mean",
+            lambda lp, old, adv, m: gapo.compute_policy_loss(
+                lp, old, adv, m, eps_low=0.2, eps_high=0.2 + 0.1 * (adv > 0).float(), level="sequence"
+            )[0],
+        )
+    )
+    out.append(
+        (
+            "mugrpo",
+            "token-mean",
+            lambda lp, old, adv, m: mugrpo.compute_policy_loss(
+                lp,
+                old,
+                adv,
+                m,
+                eps_low=1.0,
+                eps_high=4.0,
+                keep=mugrpo.veto_mask(lp.detach(), old, adv, m, -0.3, "suffix_nontrigger"),
+            )[0],
+        )
+    )
+    out.append(
+        (
+            "codapo",
+            "token-mean",
+            lambda lp, old, adv, m: codapo.compute_policy_loss(
+                lp,
+                old,
+                adv,
+                m,
+                eps_low=0.2,
+                eps_high=0.28,
+                loss_agg="token-mean",
+                ref_logp=None,
+                beta=0.0,
+                max_tokens=T_MAX,
+                dual_clip_c=1.5,
+            )[0],
+        )
+    )
     out.append(("grpo_token-mean+checkpointing", "token-mean", out[0][2]))  # --gradient-checkpointing, sharded
     return out
 
@@ -111,8 +167,9 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     if world.enabled:
         groups = world.deal_groups([minibatch], G)
         rows = [g * G + j for g in groups for j in range(G)]
-        local = common.RolloutBatch.from_rows([full.prompt(r) for r in rows], [full.completion(r) for r in rows],
-                                    ["" for _ in rows], ["stop" for _ in rows])
+        local = common.RolloutBatch.from_rows(
+            [full.prompt(r) for r in rows], [full.completion(r) for r in rows], ["" for _ in rows], ["stop" for _ in rows]
+        )
         rollout = common.ShardedRollout(local, groups, P, G)
     else:
         rollout = full
@@ -137,23 +194,30 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
         for micro in common.micro_batches(own, lengths, 16):  # a small budget: several micro-batches per rank
-            tb = common.rows_batch(rollout, micro,
-                                  tokenizer.pad_token_id)
+            tb = common.rows_batch(rollout, micro, tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0)
             micro_mask = tb.completion_mask
-            old = (logp - offset[micro, :logp.shape[1]]).detach()
+            old = (logp - offset[micro, : logp.shape[1]]).detach()
             loss = loss_fn(logp, old, advantages[micro], micro_mask)
             weight = common.accumulation_weight(agg, micro_mask, mb_tokens, len(micro), len(minibatch))
             (loss * weight).backward()
             loss_sum += loss.item() * weight
         grad_norm = common.clip_grad_norm(model, 1e9)  # no clipping: the raw global norm
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                 for n, p in model.named_parameters()}
+        grads = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in model.named_parameters()
+        }
         optimizer.step()
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                  for n, p in model.named_parameters()}
-        results[name] = {"loss": world.sum(loss_sum), "grad_norm": grad_norm.item(), "grads": grads, "params": params,
-                         "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
+        params = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+        }
+        results[name] = {
+            "loss": world.sum(loss_sum),
+            "grad_norm": grad_norm.item(),
+            "grads": grads,
+            "params": params,
+            "checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        }
     if world.is_main:
         torch.save(results, out_path)
     del model, optimizer

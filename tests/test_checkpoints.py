@@ -11,7 +11,6 @@ import torch
 
 import common
 import grpo
-
 from tests import tiny
 
 
@@ -24,9 +23,23 @@ def toy(tmp_path_factory):
 
 
 def _args(toy, out, name, steps, **kw):
-    settings = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=2,
-                    num_generations=4, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, updates_per_batch=2,
-                    eval_limit=2, eval_samples=1, eval_k=[1], output_dir=str(out), run_name=name)
+    settings = dict(
+        model=toy["model"],
+        dataset=toy["data"],
+        reward="arith",
+        total_steps=steps,
+        prompts_per_step=2,
+        num_generations=4,
+        max_new_tokens=3,
+        learning_rate=3e-3,
+        warmup_updates=1,
+        updates_per_batch=2,
+        eval_limit=2,
+        eval_samples=1,
+        eval_k=[1],
+        output_dir=str(out),
+        run_name=name,
+    )
     return grpo.Args(**{**settings, **kw})
 
 
@@ -36,8 +49,9 @@ def _rows(run_dir):
 
 
 def _train(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
-            for r in rows if "losses/policy_loss" in r]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"} for r in rows if "losses/policy_loss" in r
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +73,25 @@ def test_final_model_is_a_complete_hf_folder_without_optimizer_state(trained, to
 
     final = trained / "final"
     names = set(os.listdir(final))
-    assert {"config.json", "model.safetensors", "generation_config.json", "chat_template.jinja",
-            "tokenizer.json", "tokenizer_config.json"} <= names, names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "chat_template.jinja",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names, names
     assert not [n for n in names if n.endswith((".pt", ".bin", ".pth")) or "optim" in n], names
     assert common.hf_folder_problem(str(final)) is None
     model = AutoModelForCausalLM.from_pretrained(str(final))
     assert model.config.use_cache is True  # training switches it off; the saved model generates with the KV cache
     assert AutoTokenizer.from_pretrained(str(final)).chat_template == tiny.CHAT_TEMPLATE
     # the trained weights: those of the last step's checkpoint, not the initial model's
-    final_w, last_w, init_w = _weights(final), _weights(trained / "checkpoints" / "step_000003" / "model"), \
-        _weights(toy["model"])
+    final_w, last_w, init_w = (
+        _weights(final),
+        _weights(trained / "checkpoints" / "step_000003" / "model"),
+        _weights(toy["model"]),
+    )
     assert final_w.keys() == last_w.keys() == init_w.keys()
     assert all(torch.equal(final_w[k], last_w[k]) for k in final_w)
     assert any(not torch.equal(final_w[k], init_w[k]) for k in final_w)
@@ -94,8 +117,7 @@ def test_checkpoint_layout_and_keep_last(trained):
     assert (ckpts / "step_000003" / "optimizer" / ".metadata").is_file()  # Adam moments: a Distributed Checkpoint
 
 
-def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metrics_line(trained, toy, tmp_path,
-                                                                                          capsys):
+def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metrics_line(trained, toy, tmp_path, capsys):
     run = tmp_path / "killed"
     shutil.copytree(trained, run)
     original = _train(_rows(run))
@@ -144,8 +166,9 @@ def saved(toy, tmp_path):
         model(torch.tensor([[3, 4, 5]])).logits.mean().backward()
         optimizer.step()
         scheduler.step()
-        common.save_checkpoint(str(run), step, model, tokenizer, optimizer, scheduler,
-                               {"update": step, "sampler": {"epoch": 0, "pos": step}})
+        common.save_checkpoint(
+            str(run), step, model, tokenizer, optimizer, scheduler, {"update": step, "sampler": {"epoch": 0, "pos": step}}
+        )
     return {"run": run, "model": model, "tokenizer": tokenizer, "optimizer": optimizer, "scheduler": scheduler}
 
 
@@ -172,8 +195,11 @@ def test_find_resume_falls_back_to_the_newest_complete_checkpoint(saved, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step_000003" in err[0] and "step_000002 (trainer_state.pt is unreadable" in err[0]
     _cut(_ck(run, 1) / "model" / "config.json")
-    with pytest.raises(common.UserError, match="no complete checkpoint: step_000003 .*; step_000002 .*; step_000001 "
-                                               r"\(config.json .* is unreadable or cut off"):
+    with pytest.raises(
+        common.UserError,
+        match="no complete checkpoint: step_000003 .*; step_000002 .*; step_000001 "
+        r"\(config.json .* is unreadable or cut off",
+    ):
         common.find_resume(str(run))
 
 

@@ -17,23 +17,59 @@ import common
 import grpo
 from tests import tiny
 
-
 # ----- weights: w_q = exp(mean_i mean_t old_logp) * 4 p (1 - p) + offset
 
 
 def test_weights_by_hand():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,   # p = 1/4 -> V_d = 4 * 1/4 * 3/4 = 0.75
-                            1.0, 1.0, 0.0, 0.0,   # p = 1/2 -> V_d = 1
-                            1.0, 1.0, 1.0, 1.0,   # p = 1   -> V_d = 0
-                            0.0, 0.0, 0.0, 0.0])  # p = 0   -> V_d = 0
-    seq_mean_logp = torch.tensor([-0.1, -0.2, -0.3, -0.4,   # mean -0.25
-                                  -1.0, -1.0, -0.5, -0.5,   # mean -0.75
-                                  -0.05, -0.05, -0.05, -0.05,
-                                  -2.0, -2.0, -2.0, -2.0])
+    rewards = torch.tensor(
+        [
+            1.0,
+            0.0,
+            0.0,
+            0.0,  # p = 1/4 -> V_d = 4 * 1/4 * 3/4 = 0.75
+            1.0,
+            1.0,
+            0.0,
+            0.0,  # p = 1/2 -> V_d = 1
+            1.0,
+            1.0,
+            1.0,
+            1.0,  # p = 1   -> V_d = 0
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+        ]
+    )  # p = 0   -> V_d = 0
+    seq_mean_logp = torch.tensor(
+        [
+            -0.1,
+            -0.2,
+            -0.3,
+            -0.4,  # mean -0.25
+            -1.0,
+            -1.0,
+            -0.5,
+            -0.5,  # mean -0.75
+            -0.05,
+            -0.05,
+            -0.05,
+            -0.05,
+            -2.0,
+            -2.0,
+            -2.0,
+            -2.0,
+        ]
+    )
     w = codapo.codapo_weights(rewards, seq_mean_logp, group_size=4, offset=0.1)
-    expected = torch.tensor([math.exp(-0.25) * 0.75 + 0.1,  # 0.684060...
-                             math.exp(-0.75) * 1.0 + 0.1,   # 0.572366...
-                             0.1, 0.1])
+    expected = torch.tensor(
+        [
+            math.exp(-0.25) * 0.75 + 0.1,  # 0.684060...
+            math.exp(-0.75) * 1.0 + 0.1,  # 0.572366...
+            0.1,
+            0.1,
+        ]
+    )
     assert w.shape == (4,)
     assert torch.allclose(w, expected, atol=1e-6)
     assert w[2].item() == pytest.approx(0.1) and w[3].item() == pytest.approx(0.1)  # saturated -> offset exactly
@@ -84,8 +120,9 @@ def test_advantages_by_hand_default_eps():
     # group 0: mean 0.25, unbiased std 0.5 -> (0.75, -0.25, -0.25, -0.25) / 0.500001, times 0.5
     # group 1: mean 0.5, unbiased std sqrt(1/3) -> (-0.5, 0.5, 0.5, -0.5) / (0.57735 + 1e-6), times 2
     s1 = math.sqrt(1 / 3) + 1e-6
-    expected = torch.tensor([0.375 / 0.500001, -0.125 / 0.500001, -0.125 / 0.500001, -0.125 / 0.500001,
-                             -1.0 / s1, 1.0 / s1, 1.0 / s1, -1.0 / s1])
+    expected = torch.tensor(
+        [0.375 / 0.500001, -0.125 / 0.500001, -0.125 / 0.500001, -0.125 / 0.500001, -1.0 / s1, 1.0 / s1, 1.0 / s1, -1.0 / s1]
+    )
     assert torch.allclose(adv, expected, atol=1e-6)
 
 
@@ -151,10 +188,18 @@ def test_resampled_copies_form_separate_groups():
     # focused batch: question 7 in 2 slots, question 3 in 2 slots, G = 2; rows [g*G:(g+1)*G] belong to slot g
     slots = codapo.focused_prompt_slots([7, 3], 2, 4)
     assert slots == [7, 7, 3, 3]
-    rewards = torch.tensor([1.0, 0.0,   # copy 1 of q7: p = 1/2
-                            1.0, 1.0,   # copy 2 of q7: p = 1 -> its own group: zero advantage, w = offset
-                            0.0, 0.0,   # copy 1 of q3: p = 0
-                            0.0, 1.0])  # copy 2 of q3: p = 1/2
+    rewards = torch.tensor(
+        [
+            1.0,
+            0.0,  # copy 1 of q7: p = 1/2
+            1.0,
+            1.0,  # copy 2 of q7: p = 1 -> its own group: zero advantage, w = offset
+            0.0,
+            0.0,  # copy 1 of q3: p = 0
+            0.0,
+            1.0,
+        ]
+    )  # copy 2 of q3: p = 1/2
     logp = torch.tensor([-0.2, -0.4, -0.1, -0.1, -1.0, -1.0, -0.6, -0.2])
     w = codapo.codapo_weights(rewards, logp, 2)
     assert torch.allclose(w, torch.tensor([math.exp(-0.3) + 0.1, 0.1, 0.1, math.exp(-0.4) + 0.1]), atol=1e-6)
@@ -237,18 +282,44 @@ def test_dual_clip_off_is_the_plain_loss_exactly(loss_agg):
     mask = (torch.arange(T).unsqueeze(0) < torch.tensor([[5], [3], [4], [1], [5], [2]])).float()
     ref = base + torch.randn(B, T) * 0.2
     b = base.clone().requires_grad_(True)
-    loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8)
+    loss_g, st_g = grpo.compute_policy_loss(
+        b, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8
+    )
     loss_g.backward()
     ratio = torch.exp(base - old)
     assert bool(((ratio > 3) & (adv.unsqueeze(1) < 0) & mask.bool()).any())  # c = 3 would bind in this case
     for c in (0.0, -1.0, 1e6):
         a = base.clone().requires_grad_(True)
-        loss_c, st_c = codapo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8, dual_clip_c=c)
+        loss_c, st_c = codapo.compute_policy_loss(
+            a,
+            old,
+            adv,
+            mask,
+            eps_low=0.2,
+            eps_high=0.28,
+            loss_agg=loss_agg,
+            ref_logp=ref,
+            beta=0.05,
+            max_tokens=8,
+            dual_clip_c=c,
+        )
         loss_c.backward()
         assert torch.equal(loss_c, loss_g) and torch.equal(a.grad, b.grad), c
         assert st_c["clipfrac_dual"] == 0.0 and all(st_c[k] == st_g[k] for k in st_g)
     a = base.clone().requires_grad_(True)
-    loss_3, st_3 = codapo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.28, loss_agg=loss_agg, ref_logp=ref, beta=0.05, max_tokens=8, dual_clip_c=3.0)
+    loss_3, st_3 = codapo.compute_policy_loss(
+        a,
+        old,
+        adv,
+        mask,
+        eps_low=0.2,
+        eps_high=0.28,
+        loss_agg=loss_agg,
+        ref_logp=ref,
+        beta=0.05,
+        max_tokens=8,
+        dual_clip_c=3.0,
+    )
     assert loss_3.item() < loss_g.item() and st_3["clipfrac_dual"] > 0  # c = 3 caps some A < 0 tokens
     with pytest.raises(ValueError):
         codapo.compute_policy_loss(a, old, adv, mask, dual_clip_c=1.0)
@@ -268,7 +339,7 @@ def test_paper_scale_line_makes_the_official_number_of_updates():
     ppo_mini_batch_size=16 (rollout n = 1, prompts repeated): 8 updates per step, and the official dual clip c = 3."""
     doc = codapo.__doc__
     start = doc.index("python codapo.py --model Qwen/Qwen2.5-Math-1.5B")
-    line = doc[start:doc.index("# GPU", start)].replace("\\\n", " ").split()[2:]
+    line = doc[start : doc.index("# GPU", start)].replace("\\\n", " ").split()[2:]
     args = common.parse_args(codapo.Args, line)
     assert (args.prompts_per_step, args.num_generations) == (16, 8)
     assert args.prompts_per_step * args.num_generations // args.updates_per_batch == 16  # trajectories per update
@@ -284,14 +355,30 @@ def toy(tmp_path_factory):
     model = tiny.make_tiny_model(str(d / "model"))
     rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
     never = [{"question": f"Say it {w}", "answer": "12345678"} for w in "abcdefgh"]  # 8 digits > 3 tokens: r = 0
-    return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows),
-            "never": tiny.write_jsonl(str(d / "never.jsonl"), never)}
+    return {
+        "model": model,
+        "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows),
+        "never": tiny.write_jsonl(str(d / "never.jsonl"), never),
+    }
 
 
 def _run(mod, toy, out, run_name, steps, **overrides):
-    settings = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=4,
-                    num_generations=8, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, eval_limit=2,
-                    eval_samples=2, eval_k=[2], output_dir=str(out), run_name=run_name)
+    settings = dict(
+        model=toy["model"],
+        dataset=toy["data"],
+        reward="arith",
+        total_steps=steps,
+        prompts_per_step=4,
+        num_generations=8,
+        max_new_tokens=3,
+        learning_rate=3e-3,
+        warmup_updates=1,
+        eval_limit=2,
+        eval_samples=2,
+        eval_k=[2],
+        output_dir=str(out),
+        run_name=run_name,
+    )
     settings.update(overrides)
     mod.main(mod.Args(**settings))
     with open(os.path.join(out, run_name, "metrics.jsonl")) as f:
@@ -299,8 +386,9 @@ def _run(mod, toy, out, run_name, steps, **overrides):
 
 
 def _train_rows(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
-            for r in rows if "losses/policy_loss" in r]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"} for r in rows if "losses/policy_loss" in r
+    ]
 
 
 def _step_rows(rows):
@@ -346,8 +434,9 @@ def test_dual_clip_run_logs_its_fraction(toy, tmp_path):
     """A fast-moving toy run with --dual-clip-c 3 logs codapo/dual_clipfrac on every update (part of
     losses/clipfrac); the default run (c = 0) logs no such key."""
     # broad step, then the focused step: 4 groups of the learnable question, one per update (lr 0.3: fast moves)
-    rows = _train_rows(_run(codapo, toy, tmp_path, "dual", 2, dual_clip_c=3.0, updates_per_batch=4,
-                            learning_rate=0.3, max_new_tokens=6))
+    rows = _train_rows(
+        _run(codapo, toy, tmp_path, "dual", 2, dual_clip_c=3.0, updates_per_batch=4, learning_rate=0.3, max_new_tokens=6)
+    )
     assert len(rows) == 8 and all(0.0 <= r["codapo/dual_clipfrac"] <= r["losses/clipfrac"] for r in rows)
     assert rows[0]["codapo/dual_clipfrac"] == rows[4]["codapo/dual_clipfrac"] == 0.0  # first update of a step: r = 1
     assert any(r["codapo/dual_clipfrac"] > 0 for r in rows)  # some A < 0 tokens reach r > 3

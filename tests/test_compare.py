@@ -15,14 +15,33 @@ import compare
 def make_run(root, name, exp, seed, before, after, lr=1e-5, wall=100.0, extra=None):
     d = root / name
     d.mkdir()
-    (d / "args.json").write_text(json.dumps({"exp_name": exp, "seed": seed, "learning_rate": lr, "run_name": name,
-                                             "output_dir": str(root), **(extra or {})}))
-    rows = [{"step": 0, "update": 0, "wall_s": 5.0, "eval/pass@1": before, "eval/pass@4": before + 0.2},
-            {"step": 1, "update": 1, "wall_s": 50.0, "rollout/reward_mean": 0.1, "perf/rollout_s": 20.0,
-             "perf/train_s": 25.0, "perf/sync_s": 0.5},
-            {"step": 2, "update": 2, "wall_s": wall - 10, "rollout/reward_mean": 0.3, "perf/rollout_s": 21.0,
-             "perf/train_s": 24.0, "perf/sync_s": 0.5},
-            {"step": 2, "update": 2, "wall_s": wall, "eval/pass@1": after, "eval/pass@4": after + 0.2}]
+    (d / "args.json").write_text(
+        json.dumps(
+            {"exp_name": exp, "seed": seed, "learning_rate": lr, "run_name": name, "output_dir": str(root), **(extra or {})}
+        )
+    )
+    rows = [
+        {"step": 0, "update": 0, "wall_s": 5.0, "eval/pass@1": before, "eval/pass@4": before + 0.2},
+        {
+            "step": 1,
+            "update": 1,
+            "wall_s": 50.0,
+            "rollout/reward_mean": 0.1,
+            "perf/rollout_s": 20.0,
+            "perf/train_s": 25.0,
+            "perf/sync_s": 0.5,
+        },
+        {
+            "step": 2,
+            "update": 2,
+            "wall_s": wall - 10,
+            "rollout/reward_mean": 0.3,
+            "perf/rollout_s": 21.0,
+            "perf/train_s": 24.0,
+            "perf/sync_s": 0.5,
+        },
+        {"step": 2, "update": 2, "wall_s": wall, "eval/pass@1": after, "eval/pass@4": after + 0.2},
+    ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return str(d)
 
@@ -77,6 +96,7 @@ def test_method_specific_settings_listed_only_where_they_differ(tmp_path, capsys
 
 def test_plots_written_and_missing_matplotlib_handled(tmp_path, capsys, monkeypatch):
     import matplotlib  # noqa: F401  (a requirement; the no-matplotlib path is tested below)
+
     make_run(tmp_path, "a", "grpo", 1, 0.2, 0.3)
     make_run(tmp_path, "b", "grpo", 2, 0.2, 0.5)
     compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--plot-dir", str(tmp_path / "plots")])
@@ -101,7 +121,8 @@ def test_no_runs_is_a_clear_error(tmp_path, capsys):
     assert "no run folder" in capsys.readouterr().err
 
 
-# --- eval curves, --metric, --baseline (issue 15 item 2) ---
+# --- eval curves, --metric, --baseline ---
+
 
 def write_run(root, name, exp, seed, rows, extra=None):
     d = root / name
@@ -120,8 +141,16 @@ def sparse_metric_runs(root):
     values = {1: {1: 0.1, 2: 0.3}, 2: {1: 0.3, 3: 0.5}, 3: {1: 0.8, 2: 0.7}}
     paths = []
     for seed, per_update in values.items():
-        rows = [{"step": u, "update": u, "wall_s": 10.0 * u + seed, "rollout/reward_mean": 0.0,
-                 **({"m/x": per_update[u]} if u in per_update else {})} for u in (1, 2, 3)]
+        rows = [
+            {
+                "step": u,
+                "update": u,
+                "wall_s": 10.0 * u + seed,
+                "rollout/reward_mean": 0.0,
+                **({"m/x": per_update[u]} if u in per_update else {}),
+            }
+            for u in (1, 2, 3)
+        ]
         paths.append(write_run(root, f"grpo_s{seed}", "grpo", seed, rows))
     return paths
 
@@ -141,12 +170,22 @@ def test_metric_curve_mean_band_and_absent_rows(tmp_path):
 
 
 def test_metric_selection_by_name_and_glob(tmp_path, capsys):
-    row = {"step": 1, "update": 1, "wall_s": 1.0, "gapo/clipfrac_c0.2": 0.01, "gapo/clipfrac_c0.5": 0.02,
-           "gapo/ratio_absdev_c0.2": 0.1, "eval/pass@1/tier3": 0.5, "mugrpo/triggered_frac": None}
+    row = {
+        "step": 1,
+        "update": 1,
+        "wall_s": 1.0,
+        "gapo/clipfrac_c0.2": 0.01,
+        "gapo/clipfrac_c0.5": 0.02,
+        "gapo/ratio_absdev_c0.2": 0.1,
+        "eval/pass@1/tier3": 0.5,
+        "mugrpo/triggered_frac": None,
+    }
     groups = groups_of(write_run(tmp_path, "gapo_s1", "gapo", 1, [row]))
     assert compare.select_metrics(groups, ["gapo/clipfrac_c*"]) == ["gapo/clipfrac_c0.2", "gapo/clipfrac_c0.5"]
     assert compare.select_metrics(groups, ["gapo/ratio_absdev_c0.2", "gapo/*_c0.2"]) == [
-        "gapo/ratio_absdev_c0.2", "gapo/clipfrac_c0.2"]  # exact name, then the glob's other match; no duplicates
+        "gapo/ratio_absdev_c0.2",
+        "gapo/clipfrac_c0.2",
+    ]  # exact name, then the glob's other match; no duplicates
     assert compare.select_metrics(groups, ["eval/*tier3*"]) == ["eval/pass@1/tier3"]
     with pytest.raises(ValueError, match="matches no logged key"):
         compare.select_metrics(groups, ["mugrpo/triggered_frac"])  # only ever null: nothing to plot
@@ -165,8 +204,16 @@ def test_final_value_table_over_seeds(tmp_path, capsys):
 
 def eval_rows(finals, n_evals=2):
     """Eval rows at updates 0, 2, ...; pass@1 rises linearly to `final` (the value of the last eval)."""
-    return [{"step": i, "update": 2 * i, "wall_s": 10.0 * i, "eval/pass@1": finals * i / (n_evals - 1),
-             "eval/pass@4": min(1.0, finals * i / (n_evals - 1) + 0.125)} for i in range(n_evals)]
+    return [
+        {
+            "step": i,
+            "update": 2 * i,
+            "wall_s": 10.0 * i,
+            "eval/pass@1": finals * i / (n_evals - 1),
+            "eval/pass@4": min(1.0, finals * i / (n_evals - 1) + 0.125),
+        }
+        for i in range(n_evals)
+    ]
 
 
 def test_paired_differences_against_baseline(tmp_path, capsys):
@@ -181,22 +228,29 @@ def test_paired_differences_against_baseline(tmp_path, capsys):
     for seed, final in {1: 0.5, 2: 0.5, 3: 0.5}.items():
         write_run(tmp_path, f"codapo_s{seed}", "codapo", seed, eval_rows(final))
     assert compare.main([str(tmp_path / "*"), "--baseline", "grpo", "--metric", "gapo/clipfrac_c0.2", "--no-plot"]) == 0
-    lines = {tuple(c.strip() for c in x.strip("|").split("|")[:2]): x for x in capsys.readouterr().out.splitlines()
-             if " - grpo |" in x}
+    lines = {
+        tuple(c.strip() for c in x.strip("|").split("|")[:2]): x
+        for x in capsys.readouterr().out.splitlines()
+        if " - grpo |" in x
+    }
     # gapo: seed 1 +0.25, seed 2 -0.125 -> mean +0.0625, std sqrt(2 * 0.1875^2) = 0.2652; seeds 3 and 4 unmatched
     assert lines[("gapo - grpo", "eval/pass@1")] == (
-        "| gapo - grpo | eval/pass@1 | +0.0625 +- 0.2652 | 1: +0.25, 2: -0.125 | 1/2 positive | 4 (gapo only), 3 (grpo only) |")
+        "| gapo - grpo | eval/pass@1 | +0.0625 +- 0.2652 | 1: +0.25, 2: -0.125 | 1/2 positive | 4 (gapo only), 3 (grpo only) |"
+    )
     # mugrpo: +0.125 for every seed; pass@4 = pass@1 + 0.125 in both, so the same differences
     for key in ("eval/pass@1", "eval/pass@4"):
         assert lines[("mugrpo - grpo", key)] == (
-            f"| mugrpo - grpo | {key} | +0.125 +- 0 | 1: +0.125, 2: +0.125, 3: +0.125 | 3/3 positive | - |")
+            f"| mugrpo - grpo | {key} | +0.125 +- 0 | 1: +0.125, 2: +0.125, 3: +0.125 | 3/3 positive | - |"
+        )
     # codapo: 0, +0.25, -0.25 -> mean 0, std 0.25, a tie is neither positive nor negative
     assert lines[("codapo - grpo", "eval/pass@1")] == (
-        "| codapo - grpo | eval/pass@1 | +0 +- 0.25 | 1: +0, 2: +0.25, 3: -0.25 | 1/3 positive, 1 tied | - |")
+        "| codapo - grpo | eval/pass@1 | +0 +- 0.25 | 1: +0, 2: +0.25, 3: -0.25 | 1/3 positive, 1 tied | - |"
+    )
     # a key only gapo logs: nothing paired, every seed listed with the reason
     assert lines[("gapo - grpo", "gapo/clipfrac_c0.2")] == (
         "| gapo - grpo | gapo/clipfrac_c0.2 | - | - | - | 4 (gapo only), 3 (grpo only), "
-        "1 (no value in grpo), 2 (no value in grpo) |")
+        "1 (no value in grpo), 2 (no value in grpo) |"
+    )
     assert not any(k[0].startswith("grpo - ") for k in lines)
 
 
@@ -204,8 +258,7 @@ def test_final_value_ignores_the_eval_before_training(tmp_path):
     path = write_run(tmp_path, "crashed", "grpo", 1, eval_rows(0.5)[:1] + [{"step": 1, "update": 1, "wall_s": 1.0}])
     run = compare.load_run(path)
     assert run.evals() and compare.final_value(run, "eval/pass@1") is None
-    assert compare.final_value(compare.load_run(write_run(tmp_path, "ok", "grpo", 1, eval_rows(0.5, 3))),
-                               "eval/pass@1") == 0.5
+    assert compare.final_value(compare.load_run(write_run(tmp_path, "ok", "grpo", 1, eval_rows(0.5, 3))), "eval/pass@1") == 0.5
 
 
 def test_baseline_errors_are_one_line(tmp_path, capsys):
@@ -213,9 +266,11 @@ def test_baseline_errors_are_one_line(tmp_path, capsys):
     write_run(tmp_path, "grpo_lr", "grpo", 1, eval_rows(0.5), extra={"learning_rate": 3e-5})
     write_run(tmp_path, "gapo_s1", "gapo", 1, eval_rows(0.5))
     write_run(tmp_path, "gapo_s1b", "gapo", 1, eval_rows(0.25))
-    for argv, message in [(["--baseline", "ppo"], "is none of the groups: gapo, grpo"),
-                          (["--baseline", "grpo"], "matches 2 configurations"),
-                          (["--baseline", "gapo"], "more than one run with seed 1")]:
+    for argv, message in [
+        (["--baseline", "ppo"], "is none of the groups: gapo, grpo"),
+        (["--baseline", "grpo"], "matches 2 configurations"),
+        (["--baseline", "gapo"], "more than one run with seed 1"),
+    ]:
         assert compare.main([str(tmp_path / "*"), "--no-plot", *argv]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and message in err, err
@@ -236,14 +291,17 @@ def test_eval_curves_and_metric_plots_written(tmp_path, capsys):
     for seed in (1, 2):
         rows = eval_rows(0.5 * seed, n_evals=4) + [
             {"step": 1, "update": u, "wall_s": 5.0 * u, "rollout/reward_mean": 0.1 * u, "gapo/clipfrac_c0.2": 0.01 * u}
-            for u in (1, 2, 3)]
+            for u in (1, 2, 3)
+        ]
         write_run(tmp_path, f"gapo_s{seed}", "gapo", seed, rows)
     (g,) = groups_of(str(tmp_path / "gapo_s1"), str(tmp_path / "gapo_s2"))
     # pass@1 evals at updates 0, 2, 4, 6: seed 1 rises to 0.5, seed 2 to 1.0 -> means 0, 0.25, 0.5, 0.75
     assert [p[2] for p in compare.curve(g, "eval/pass@1")] == pytest.approx([0.0, 0.25, 0.5, 0.75])
     plots = tmp_path / "plots"
-    assert compare.main([str(tmp_path / "gapo_*"), "--plot-dir", str(plots), "--metric", "gapo/clipfrac_c*",
-                         "--band", "std"]) == 0
+    assert (
+        compare.main([str(tmp_path / "gapo_*"), "--plot-dir", str(plots), "--metric", "gapo/clipfrac_c*", "--band", "std"])
+        == 0
+    )
     for name in ("compare.png", "compare_eval.png", "compare_gapo_clipfrac_c0.2.png"):
         assert os.path.getsize(plots / name) > 1000, name
     assert f"wrote {plots / 'compare_eval.png'}" in capsys.readouterr().out
@@ -258,10 +316,17 @@ def test_new_options_without_matplotlib(tmp_path, capsys, monkeypatch):
         write_run(tmp_path, f"grpo_s{seed}", "grpo", seed, eval_rows(0.5, 4))
         write_run(tmp_path, f"gapo_s{seed}", "gapo", seed, eval_rows(0.75, 4))
     real_import = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
-                        if name.startswith("matplotlib") else real_import(name, *a, **k))
-    assert compare.main([str(tmp_path / "*"), "--metric", "eval/pass@4", "--baseline", "grpo",
-                         "--plot-dir", str(tmp_path / "p")]) == 0
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda name, *a, **k: (
+            (_ for _ in ()).throw(ImportError(name)) if name.startswith("matplotlib") else real_import(name, *a, **k)
+        ),
+    )
+    assert (
+        compare.main([str(tmp_path / "*"), "--metric", "eval/pass@4", "--baseline", "grpo", "--plot-dir", str(tmp_path / "p")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "matplotlib is not installed" in out and "2/2 positive" in out and not os.path.exists(tmp_path / "p")
 
@@ -282,5 +347,7 @@ def test_old_string_eval_dataset_groups_with_the_new_list_form(tmp_path):
     d = make_run(tmp_path, "other_new", "grpo", 4, 0.2, 0.4, extra={"eval_dataset": ["math500"]})
     groups = groups_of(a, b, c, d)
     assert sorted(len(g.runs) for g in groups) == [2, 2]
-    assert {tuple(sorted(os.path.basename(r.path) for r in g.runs)) for g in groups} == {("new", "old"),
-                                                                                         ("other", "other_new")}
+    assert {tuple(sorted(os.path.basename(r.path) for r in g.runs)) for g in groups} == {
+        ("new", "old"),
+        ("other", "other_new"),
+    }

@@ -1,4 +1,4 @@
-"""Diagnostics the method studies need (issue 15): pass@1 per difficulty tier in the evaluation, and CoDaPO's
+"""Diagnostics the method studies need: pass@1 per difficulty tier in the evaluation, and CoDaPO's
 training dynamics (confidence of correct vs incorrect rollouts, mean |A|). Hand-computed numbers first, then
 short runs on the tiny model that check the logged rows against the run's own per-sample files."""
 
@@ -10,9 +10,9 @@ import torch
 
 import codapo
 import common
-import verifiers
 import compare
 import grpo
+import verifiers
 from tests import tiny
 
 
@@ -29,13 +29,16 @@ class ScriptedEngine:
 
     def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc=""):
         assert len(prompts) * n == len(self.texts)
-        return common.RolloutBatch.from_rows([p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts),
-                                   self.texts, ["stop"] * len(self.texts))
+        return common.RolloutBatch.from_rows(
+            [p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, ["stop"] * len(self.texts)
+        )
 
 
 def arith_task(tiers, answers, name="arith"):
-    problems = [{"question": f"q{i}", "answer": a, **({} if t is None else {"tier": t})}
-                for i, (t, a) in enumerate(zip(tiers, answers))]
+    problems = [
+        {"question": f"q{i}", "answer": a, **({} if t is None else {"tier": t})}
+        for i, (t, a) in enumerate(zip(tiers, answers))
+    ]
     return verifiers.Task(name, "arith", problems, "")
 
 
@@ -47,8 +50,7 @@ TEXTS = ["3", "3", "5", "1", "0", "0", "9", "0"]
 
 
 def test_pass_at_1_per_tier_by_hand():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4,
-                                      [2], seed=0)
+    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
     assert m["eval/tier0/pass@1"] == pytest.approx((1.0 + 0.5) / 2)  # mean over the tier's problems
     assert m["eval/tier1/pass@1"] == 0.0
@@ -60,12 +62,10 @@ def test_pass_at_1_per_tier_by_hand():
 
 
 def test_no_tier_field_no_tier_keys():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2,
-                                      0.6, 4, [2])
+    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k] and not [r for r in records if "tier" in r]
     # a tier value that cannot be part of a key (a float, a string with '/') is no tier either
-    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2,
-                           0.6, 4, [2])
+    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k]
 
 
@@ -93,8 +93,10 @@ def test_compare_reads_tier_keys(tmp_path):
         run = tmp_path / f"r{seed}"
         run.mkdir()
         (run / "args.json").write_text(json.dumps({"exp_name": "grpo", "seed": seed}))
-        rows = [{"step": 0, "update": 0, "eval/pass@1": 0.1, "eval/tier0/pass@1": 0.0},
-                {"step": 1, "update": 2, "eval/pass@1": p, "eval/tier0/pass@1": p / 2, "eval/tier0/n_problems": 4}]
+        rows = [
+            {"step": 0, "update": 0, "eval/pass@1": 0.1, "eval/tier0/pass@1": 0.0},
+            {"step": 1, "update": 2, "eval/pass@1": p, "eval/tier0/pass@1": p / 2, "eval/tier0/n_problems": 4},
+        ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     groups = compare.group_runs([compare.load_run(str(tmp_path / f"r{s}")) for s in (1, 2)])
     assert compare.eval_keys(groups) == ["eval/pass@1", "eval/tier0/pass@1"]
@@ -110,16 +112,41 @@ def toy(tmp_path_factory):
 
 
 def test_eval_only_run_logs_tiers_consistent_with_its_records(toy, tmp_path, capsys):
-    argv = ["--model", toy["model"], "--dataset", toy["data"], "--eval-dataset", toy["data"], "--reward", "arith",
-            "--eval-only", "--eval-samples", "4", "--eval-k", "2", "--eval-limit", "9", "--max-new-tokens", "3",
-            "--temperature", "1.0", "--eval-temperature", "1.5", "--output-dir", str(tmp_path), "--run-name", "ev"]
+    argv = [
+        "--model",
+        toy["model"],
+        "--dataset",
+        toy["data"],
+        "--eval-dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--eval-only",
+        "--eval-samples",
+        "4",
+        "--eval-k",
+        "2",
+        "--eval-limit",
+        "9",
+        "--max-new-tokens",
+        "3",
+        "--temperature",
+        "1.0",
+        "--eval-temperature",
+        "1.5",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "ev",
+    ]
     grpo.main(common.parse_args(grpo.Args, argv))
     assert "tier" not in capsys.readouterr().out
     (row,) = read_jsonl(tmp_path / "ev" / "metrics.jsonl")
     records = read_jsonl(tmp_path / "ev" / "eval_correctness_step0.jsonl")
     tiers = {r["tier"] for r in records}  # the eval set is a seeded hold-out of the file: its tiers vary
     assert len(tiers) >= 2 and sorted(k for k in row if "tier" in k) == sorted(
-        f"eval/tier{t}/{name}" for t in tiers for name in ("pass@1", "n_problems"))
+        f"eval/tier{t}/{name}" for t in tiers for name in ("pass@1", "n_problems")
+    )
     assert sum(row[f"eval/tier{t}/n_problems"] for t in tiers) == row["eval/n_problems"]
     for t in tiers:
         mine = [r for r in records if r["tier"] == t]
@@ -152,10 +179,38 @@ def test_codapo_dynamics_by_hand():
 
 
 def test_codapo_run_logs_dynamics_consistent_with_its_rollouts(toy, tmp_path):
-    argv = ["--model", toy["model"], "--dataset", toy["data"], "--reward", "arith", "--total-steps", "2",
-            "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "3", "--learning-rate", "3e-3",
-            "--warmup-updates", "1", "--eval-limit", "2", "--eval-samples", "2", "--eval-k", "2",
-            "--log-rollouts-every", "1", "--output-dir", str(tmp_path), "--run-name", "cd"]
+    argv = [
+        "--model",
+        toy["model"],
+        "--dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--total-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--learning-rate",
+        "3e-3",
+        "--warmup-updates",
+        "1",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--log-rollouts-every",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "cd",
+    ]
     codapo.main(common.parse_args(codapo.Args, argv))
     rows = [r for r in read_jsonl(tmp_path / "cd" / "metrics.jsonl") if "rollout/reward_mean" in r]
     rollouts = read_jsonl(tmp_path / "cd" / "rollouts.jsonl")
@@ -166,8 +221,10 @@ def test_codapo_run_logs_dynamics_consistent_with_its_rollouts(toy, tmp_path):
         rewards = torch.tensor([r["reward"] for r in mine])
         unweighted = codapo.compute_advantages(rewards, 8, None, 1e-6)
         assert row["codapo/adv_abs_mean_unweighted"] == pytest.approx(unweighted.abs().mean().item(), abs=1e-6)
-        for key, present in (("codapo/confidence_correct_mean", bool((rewards >= 1).any())),
-                             ("codapo/confidence_incorrect_mean", bool((rewards < 1).any()))):
+        for key, present in (
+            ("codapo/confidence_correct_mean", bool((rewards >= 1).any())),
+            ("codapo/confidence_incorrect_mean", bool((rewards < 1).any())),
+        ):
             assert (key in row) == present
             if present:
                 assert 0.0 < row[key] <= 1.0 and math.isfinite(row[key])

@@ -7,6 +7,7 @@ loss, full gradients 6.7e-8 .. 9.2e-8 relative to one process, grad norms within
 and far below the defects the negative controls produce (gradient x 1/2, wrong denominators: relative 1e-1 and
 more).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,7 @@ def launch(args: list[str], nproc: int, cwd, **extra_env) -> subprocess.Complete
     if nproc == 1:
         cmd = [sys.executable, WORKER, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               WORKER, *args]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=cwd, env=env(**extra_env))
 
 
@@ -55,6 +55,7 @@ def toy(tmp_path_factory):
 
 # ----- one update, every loss -------------------------------------------------------------------------------
 
+
 def flat(tensors: dict) -> torch.Tensor:
     return torch.cat([t.flatten().double() for t in tensors.values()])
 
@@ -63,8 +64,7 @@ def flat(tensors: dict) -> torch.Tensor:
 def updates(toy):
     """Results of one update per loss: world size 1, world size 2, and the two defects at world size 2."""
     out = {}
-    for tag, nproc, control in (("w1", 1, ""), ("w2", 2, ""), ("average", 2, "average"),
-                                ("local_tokens", 2, "local_tokens")):
+    for tag, nproc, control in (("w1", 1, ""), ("w2", 2, ""), ("average", 2, "average"), ("local_tokens", 2, "local_tokens")):
         path = str(toy["dir"] / f"update_{tag}.pt")
         proc = launch(["update", toy["model"], path, control], nproc, toy["dir"])
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,8 +72,16 @@ def updates(toy):
     return out
 
 
-LOSSES = ["grpo_token-mean", "grpo_seq-mean-token-mean", "grpo_seq-mean-token-sum-norm", "gapo_token",
-          "gapo_sequence", "mugrpo", "codapo", "grpo_token-mean+checkpointing"]
+LOSSES = [
+    "grpo_token-mean",
+    "grpo_seq-mean-token-mean",
+    "grpo_seq-mean-token-sum-norm",
+    "gapo_token",
+    "gapo_sequence",
+    "mugrpo",
+    "codapo",
+    "grpo_token-mean+checkpointing",
+]
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -106,11 +114,42 @@ def test_exactness_catches_the_defects(updates, control):
 
 # ----- end to end, every script ------------------------------------------------------------------------------
 
+
 def script_flags(toy, out, run_name, method, extra=()):
-    flags = ["--model", toy["model"], "--dataset", toy["data"], "--reward", "arith", "--total-steps", "2",
-             "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "4", "--learning-rate", "3e-3",
-             "--warmup-updates", "1", "--eval-limit", "5", "--eval-samples", "2", "--eval-k", "2",
-             "--micro-batch-tokens", "24", "--output-dir", str(out), "--run-name", run_name, "--save-every", "1"]
+    flags = [
+        "--model",
+        toy["model"],
+        "--dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--total-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--learning-rate",
+        "3e-3",
+        "--warmup-updates",
+        "1",
+        "--eval-limit",
+        "5",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--micro-batch-tokens",
+        "24",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+        "--save-every",
+        "1",
+    ]
     if method == "mugrpo":  # a stage of mu = 2 updates of 2 prompts
         flags += ["--updates-per-batch", "2"]
     return flags + list(extra)
@@ -150,8 +189,9 @@ def test_scripts_two_ranks_equal_one_rank(toy, tmp_path, method):
     runs = {}
     for nproc in (1, 2):
         name = f"{method}_w{nproc}"
-        proc = launch(["script", method, *script_flags(toy, tmp_path, name, method)], nproc, tmp_path,
-                      RLVR_TEST_ENGINE="scripted")
+        proc = launch(
+            ["script", method, *script_flags(toy, tmp_path, name, method)], nproc, tmp_path, RLVR_TEST_ENGINE="scripted"
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[nproc] = tmp_path / name
     rows1, rows2 = comparable(read_rows(runs[1])), comparable(read_rows(runs[2]))
@@ -169,6 +209,7 @@ def test_scripts_two_ranks_equal_one_rank(toy, tmp_path, method):
 
 
 # ----- the real HF engine, checkpoints, failures ---------------------------------------------------------------
+
 
 def test_two_rank_smoke_real_engine_then_resume_in_one_process(toy, tmp_path):
     """2 ranks with the real transformers engine (synced generation under FSDP2), a checkpoint per step; the
@@ -220,22 +261,25 @@ def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
         shutil.rmtree(tmp_path / name / "checkpoints" / "step_000002")
         shutil.rmtree(tmp_path / name / "final")
         flags = script_flags(toy, tmp_path, name, "grpo")
-        proc = launch(["script", "grpo", *flags, "--resume", str(tmp_path / name)], nproc, tmp_path,
-                      RLVR_TEST_ENGINE="scripted")
+        proc = launch(
+            ["script", "grpo", *flags, "--resume", str(tmp_path / name)], nproc, tmp_path, RLVR_TEST_ENGINE="scripted"
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         w_full, w_res = final_weights(tmp_path / "full"), final_weights(tmp_path / name)
         assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL, nproc
         assert_rows_close(comparable(read_rows(tmp_path / "full")), comparable(read_rows(tmp_path / name)))
     # and a one-process checkpoint (its optimizer state one shard) resumed by 2 ranks
-    proc = launch(["script", "grpo", *script_flags(toy, tmp_path, "full_w1", "grpo")], 1, tmp_path,
-                  RLVR_TEST_ENGINE="scripted")
+    proc = launch(
+        ["script", "grpo", *script_flags(toy, tmp_path, "full_w1", "grpo")], 1, tmp_path, RLVR_TEST_ENGINE="scripted"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     shutil.copytree(tmp_path / "full_w1", tmp_path / "w1_resumed_w2")
     shutil.rmtree(tmp_path / "w1_resumed_w2" / "checkpoints" / "step_000002")
     shutil.rmtree(tmp_path / "w1_resumed_w2" / "final")
     flags = script_flags(toy, tmp_path, "w1_resumed_w2", "grpo")
-    proc = launch(["script", "grpo", *flags, "--resume", str(tmp_path / "w1_resumed_w2")], 2, tmp_path,
-                  RLVR_TEST_ENGINE="scripted")
+    proc = launch(
+        ["script", "grpo", *flags, "--resume", str(tmp_path / "w1_resumed_w2")], 2, tmp_path, RLVR_TEST_ENGINE="scripted"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     w_full, w_res = final_weights(tmp_path / "full_w1"), final_weights(tmp_path / "w1_resumed_w2")
     assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL

@@ -1,5 +1,5 @@
 """End to end: every method script on a tiny model built here (no download, no network): smoke run with
-all metric keys of layout.md, a learning test (a sign error in a loss fails it), resume, and bad input."""
+all metric keys of README's metrics table, a learning test (a sign error in a loss fails it), resume, and bad input."""
 
 import importlib
 import json
@@ -11,15 +11,31 @@ import pytest
 import torch
 
 import common
-
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = [m for m in ("grpo", "gapo", "mugrpo", "codapo") if os.path.exists(os.path.join(ROOT, f"{m}.py"))]
-TRAIN_KEYS = ["step", "update", "wall_s", "rollout/reward_mean", "rollout/reward_std", "rollout/zero_adv_group_frac",
-              "rollout/response_len_mean", "rollout/truncated_frac", "losses/policy_loss", "losses/clipfrac",
-              "losses/approx_kl", "losses/entropy", "losses/grad_norm", "charts/learning_rate", "perf/rollout_s",
-              "perf/train_s", "perf/sync_s", "perf/tokens_per_s", "perf/peak_mem_gb"]
+TRAIN_KEYS = [
+    "step",
+    "update",
+    "wall_s",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/zero_adv_group_frac",
+    "rollout/response_len_mean",
+    "rollout/truncated_frac",
+    "losses/policy_loss",
+    "losses/clipfrac",
+    "losses/approx_kl",
+    "losses/entropy",
+    "losses/grad_norm",
+    "charts/learning_rate",
+    "perf/rollout_s",
+    "perf/train_s",
+    "perf/sync_s",
+    "perf/tokens_per_s",
+    "perf/peak_mem_gb",
+]
 EVAL_KEYS = ["eval/pass@1", "eval/pass@2", "eval/n_samples", "eval/temperature"]
 
 
@@ -52,10 +68,36 @@ def toy(tmp_path_factory):
 
 
 def common_flags(toy, out, run_name, steps):
-    return ["--model", toy["model"], "--dataset", toy["data"], "--reward", "arith", "--total-steps", str(steps),
-            "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "3", "--learning-rate", "3e-3",
-            "--warmup-updates", "1", "--eval-limit", "3", "--eval-samples", "2", "--eval-k", "2",
-            "--output-dir", str(out), "--run-name", run_name]
+    return [
+        "--model",
+        toy["model"],
+        "--dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--total-steps",
+        str(steps),
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--learning-rate",
+        "3e-3",
+        "--warmup-updates",
+        "1",
+        "--eval-limit",
+        "3",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+    ]
 
 
 def read_rows(run_dir):
@@ -65,8 +107,14 @@ def read_rows(run_dir):
 
 def run_script(method, flags, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, f"{method}.py"), *flags], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, f"{method}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -92,9 +140,22 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
 
 def _run_in_process(method, toy, out, run_name, steps, **overrides):
     mod = importlib.import_module(method)
-    settings = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=steps, prompts_per_step=4,
-                    num_generations=8, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1, eval_limit=2,
-                    eval_samples=2, eval_k=[2], output_dir=str(out), run_name=run_name)
+    settings = dict(
+        model=toy["model"],
+        dataset=toy["data"],
+        reward="arith",
+        total_steps=steps,
+        prompts_per_step=4,
+        num_generations=8,
+        max_new_tokens=3,
+        learning_rate=3e-3,
+        warmup_updates=1,
+        eval_limit=2,
+        eval_samples=2,
+        eval_k=[2],
+        output_dir=str(out),
+        run_name=run_name,
+    )
     settings.update({k: v for k, v in method_overrides(method).items() if k != "total_steps"})
     settings.update(overrides)
     args = mod.Args(**settings)
@@ -131,8 +192,11 @@ def test_resume_reproduces_uninterrupted_run(method, toy, tmp_path):
     resumed = _run_in_process(method, toy, tmp_path, "part", 4, save_every=2, resume=str(tmp_path / "part"))
 
     def training(rows):
-        return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
-                for r in rows if "losses/policy_loss" in r]
+        return [
+            {k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"}
+            for r in rows
+            if "losses/policy_loss" in r
+        ]
 
     assert len(training(full)) == len(training(resumed)) > 0
     for a, b in zip(training(full), training(resumed)):
@@ -144,15 +208,18 @@ def test_resume_reproduces_uninterrupted_run(method, toy, tmp_path):
     # (checkpoint layout, final/, --keep-last, broken checkpoints, torn metrics lines: tests/test_checkpoints.py)
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--model", "/nonexistent/model-folder"], "cannot load model"),
-    (["--model", "no-such-org/no-such-model"], "cannot load model"),
-    (["--dataset", "nonsense"], "unknown dataset"),
-    (["--dataset", "gsm8k"], "cannot load dataset"),
-    (["--dataset", "BADFIELD"], "has no field 'question'"),
-    (["--dataset", "/nonexistent/data.jsonl"], "does not exist"),
-    (["--eval-k", "8"], "--eval-k"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--model", "/nonexistent/model-folder"], "cannot load model"),
+        (["--model", "no-such-org/no-such-model"], "cannot load model"),
+        (["--dataset", "nonsense"], "unknown dataset"),
+        (["--dataset", "gsm8k"], "cannot load dataset"),
+        (["--dataset", "BADFIELD"], "has no field 'question'"),
+        (["--dataset", "/nonexistent/data.jsonl"], "does not exist"),
+        (["--eval-k", "8"], "--eval-k"),
+    ],
+)
 def test_bad_input_one_clear_line(flags, needle, toy, tmp_path):
     bad = tiny.write_jsonl(str(tmp_path / "bad.jsonl"), [{"prompt": "x", "solution": "1"}])
     flags = [bad if f == "BADFIELD" else f for f in flags]
@@ -162,10 +229,11 @@ def test_bad_input_one_clear_line(flags, needle, toy, tmp_path):
         if j is not None:
             base[j + 1] = flags[i + 1]
         else:
-            base += flags[i:i + 2]
+            base += flags[i : i + 2]
     env = dict(os.environ, HF_HUB_OFFLINE="1")  # what a machine without network sees (no retries)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), *base], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *base], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err_lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(err_lines) == 1 and needle in err_lines[0], proc.stderr[-2000:]
@@ -176,9 +244,26 @@ def test_bad_input_one_clear_line(flags, needle, toy, tmp_path):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_eval_only_writes_eval_rows_and_per_sample_correctness(method, toy, tmp_path):
-    flags = ["--model", toy["model"], "--eval-dataset", toy["data"], "--reward", "arith", "--eval-only",
-             "--eval-limit", "3", "--eval-samples", "4", "--eval-k", "2", "4", "--output-dir", str(tmp_path),
-             "--run-name", "ev"]
+    flags = [
+        "--model",
+        toy["model"],
+        "--eval-dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--eval-only",
+        "--eval-limit",
+        "3",
+        "--eval-samples",
+        "4",
+        "--eval-k",
+        "2",
+        "4",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "ev",
+    ]
     proc = run_script(method, flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(tmp_path / "ev")

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import common
-import verifiers
 import grpo
-
+import verifiers
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-REWARD_FILE = '''
+REWARD_FILE = """
 import math
 
 def reward(completion, problem):
@@ -56,7 +55,7 @@ def one_arg(completion):
     return 0.0
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +64,52 @@ def toy(tmp_path_factory):
     model = tiny.make_tiny_model(str(d / "model"))
     rows = [{"question": f"Say two {w}", "answer": "2", "bonus": 1.5} for w in "abcdefghijklmnop"]
     data = tiny.write_jsonl(str(d / "toy.jsonl"), rows)
-    other = tiny.write_jsonl(str(d / "other.jsonl"), [{"question": f"Say one {w}", "answer": "1"} for w in "abcdefghijklmnopqrst"])
+    other = tiny.write_jsonl(
+        str(d / "other.jsonl"), [{"question": f"Say one {w}", "answer": "1"} for w in "abcdefghijklmnopqrst"]
+    )
     reward_file = d / "myreward.py"
     reward_file.write_text(REWARD_FILE)
     return {"model": model, "data": data, "other": other, "reward_file": str(reward_file), "dir": d}
 
 
 def flags(toy, out, run_name, steps=2):
-    return ["--model", toy["model"], "--dataset", toy["data"], "--reward", "arith", "--total-steps", str(steps),
-            "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "3", "--learning-rate", "3e-3",
-            "--warmup-updates", "1", "--eval-limit", "2", "--eval-samples", "2", "--eval-k", "2",
-            "--output-dir", str(out), "--run-name", run_name]
+    return [
+        "--model",
+        toy["model"],
+        "--dataset",
+        toy["data"],
+        "--reward",
+        "arith",
+        "--total-steps",
+        str(steps),
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--learning-rate",
+        "3e-3",
+        "--warmup-updates",
+        "1",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        run_name,
+    ]
 
 
 def with_flag(argv, name, *values):
     argv = list(argv)
     if name in argv:
         i = argv.index(name)
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     return argv + [name, *values]
 
 
@@ -93,8 +120,14 @@ def read_jsonl(path):
 
 def run_cli(argv, method="grpo", timeout=180):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, f"{method}.py"), *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, f"{method}.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def one_error_line(proc, code):
@@ -125,23 +158,36 @@ def test_custom_reward_from_file_and_module(toy, monkeypatch):
 def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
     rows = [{"problem": "What is 1+1?", "solution": "so \\boxed{2}", "level": "Level 1", "id": 7}]
     problems = verifiers._rows_to_problems(rows, "math", "problem", "solution", "boxed", "x")
-    assert problems == [{"problem": "What is 1+1?", "solution": "so \\boxed{2}", "level": "Level 1", "id": 7,
-                         "question": "What is 1+1?", "answer": "2"}]
-    gsm = verifiers._rows_to_problems([{"question": "q", "answer": "work #### 1,234"}], "math", "question", "answer",
-                                   "gsm8k", "x")
+    assert problems == [
+        {
+            "problem": "What is 1+1?",
+            "solution": "so \\boxed{2}",
+            "level": "Level 1",
+            "id": 7,
+            "question": "What is 1+1?",
+            "answer": "2",
+        }
+    ]
+    gsm = verifiers._rows_to_problems(
+        [{"question": "q", "answer": "work #### 1,234"}], "math", "question", "answer", "gsm8k", "x"
+    )
     assert gsm == [{"question": "q", "answer": "1234"}]  # question/answer are still the normalised ones
-    task = verifiers.load_task(tiny.write_jsonl(str(tmp_path / "m.jsonl"), [{"question": "q", "answer": "3"}] * 6),
-                            "train", reward="arith")
+    task = verifiers.load_task(
+        tiny.write_jsonl(str(tmp_path / "m.jsonl"), [{"question": "q", "answer": "3"}] * 6), "train", reward="arith"
+    )
     assert task.kind == "arith" and verifiers.compute_rewards(task, task.problems[:2], ["3", "4"]) == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("fn,needle", [
-    ("boom", "raised KeyError: 'b' (at myreward.py:9)"),
-    ("nothing", "returned NoneType"),
-    ("nan", "returned nan"),
-    ("text", "returned str"),
-    ("huge", "returned 1e+39"),
-])
+@pytest.mark.parametrize(
+    "fn,needle",
+    [
+        ("boom", "raised KeyError: 'b' (at myreward.py:9)"),
+        ("nothing", "returned NoneType"),
+        ("nan", "returned nan"),
+        ("text", "returned str"),
+        ("huge", "returned 1e+39"),
+    ],
+)
 def test_broken_custom_reward_stops_the_run(fn, needle, toy):
     task = verifiers.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:{fn}")
     with pytest.raises(common.RunError) as err:
@@ -155,14 +201,17 @@ def test_custom_reward_gets_a_copy_of_the_problem(toy):
     assert task.problems[0]["question"].startswith("Say two")
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("mathh", "--reward mathh: must be auto, arith, math, code, or your own function"),
-    ("/nonexistent/r.py:fn", "file /nonexistent/r.py does not exist"),
-    ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
-    ("FILE:missing", "has no attribute 'missing'"),
-    ("FILE:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not a function"),
-    ("FILE:one_arg", "cannot be called as one_arg(completion, problem)"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("mathh", "--reward mathh: must be auto, arith, math, code, or your own function"),
+        ("/nonexistent/r.py:fn", "file /nonexistent/r.py does not exist"),
+        ("no_such_module_xyz:fn", "cannot import no_such_module_xyz"),
+        ("FILE:missing", "has no attribute 'missing'"),
+        ("FILE:NOT_A_FUNCTION", "NOT_A_FUNCTION is a int, not a function"),
+        ("FILE:one_arg", "cannot be called as one_arg(completion, problem)"),
+    ],
+)
 def test_bad_reward_spec_is_one_line_before_any_model_load(spec, needle, toy, tmp_path, monkeypatch):
     spec = spec.replace("FILE", toy["reward_file"])
     argv = with_flag(flags(toy, tmp_path, "bad"), "--reward", spec)
@@ -196,14 +245,24 @@ def test_custom_reward_raising_mid_run_is_one_line_exit_1(toy, tmp_path):
 
 def test_rollouts_dump_with_custom_reward(toy, tmp_path):
     spec = f"{toy['reward_file']}:reward"
-    args = common.parse_args(grpo.Args, with_flag(with_flag(flags(toy, tmp_path, "dump", 3), "--reward", spec),
-                                                  "--log-rollouts-every", "2"))
+    args = common.parse_args(
+        grpo.Args, with_flag(with_flag(flags(toy, tmp_path, "dump", 3), "--reward", spec), "--log-rollouts-every", "2")
+    )
     grpo.main(args)
     run = tmp_path / "dump"
     rows = read_jsonl(run / "rollouts.jsonl")
     assert [r["step"] for r in rows] == [2] * 32  # every 2nd step of 3: step 2 only; P*G = 32 rows
-    assert set(rows[0]) == {"step", "group", "prompt", "completion", "answer", "reward", "advantage", "length",
-                            "finish_reason"}
+    assert set(rows[0]) == {
+        "step",
+        "group",
+        "prompt",
+        "completion",
+        "answer",
+        "reward",
+        "advantage",
+        "length",
+        "finish_reason",
+    }
     assert [r["group"] for r in rows] == [i // 8 for i in range(32)]
     assert "<|im_start|>user\nSay two" in rows[0]["prompt"]  # decoded with the chat template
     for r in rows:
@@ -240,10 +299,22 @@ def test_rollouts_dump_off_by_default_and_cut_on_resume(toy, tmp_path):
 
 
 def test_several_eval_sets(toy, tmp_path, capsys):
-    common_argv = ["--model", toy["model"], "--reward", f"{toy['reward_file']}:odd", "--eval-only", "--eval-samples", "2", "--eval-k",
-                   "2", "--output-dir", str(tmp_path), "--eval-limit", "3"]
-    grpo.main(common.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"],
-                                                          "--run-name", "suite"]))
+    common_argv = [
+        "--model",
+        toy["model"],
+        "--reward",
+        f"{toy['reward_file']}:odd",
+        "--eval-only",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--eval-limit",
+        "3",
+    ]
+    grpo.main(common.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"], "--run-name", "suite"]))
     out = capsys.readouterr().out
     grpo.main(common.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["other"], "--run-name", "one"]))
     (suite,) = read_jsonl(tmp_path / "suite" / "metrics.jsonl")
@@ -294,7 +365,10 @@ def test_config_replays_a_run_and_flags_override(toy, tmp_path):
     def training(rows):
         return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "wall_s"} for r in rows]
 
-    a, b = training(read_jsonl(tmp_path / "orig" / "metrics.jsonl")), training(read_jsonl(tmp_path / new_dir / "metrics.jsonl"))
+    a, b = (
+        training(read_jsonl(tmp_path / "orig" / "metrics.jsonl")),
+        training(read_jsonl(tmp_path / new_dir / "metrics.jsonl")),
+    )
     assert len(a) == len(b) > 2 and a == b  # identical training and eval metrics, row for row
     over = common.parse_args(grpo.Args, ["--config", path, "--total-steps", "5", "--eval-k", "1", "--beta", "0.1"])
     assert (over.total_steps, over.eval_k, over.beta, over.max_new_tokens) == (5, [1], 0.1, 3)
@@ -312,23 +386,33 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
     cfg.write_text("total_steps: 3\nlearning_rate: 1\neval_dataset: ''\neval_k: [1, 2]\ngradient_checkpointing: true\n")
     args = common.parse_args(grpo.Args, ["--config", str(cfg)])
     assert (args.total_steps, args.learning_rate, args.eval_dataset, args.eval_k, args.gradient_checkpointing) == (
-        3, 1.0, [], [1, 2], True)
+        3,
+        1.0,
+        [],
+        [1, 2],
+        True,
+    )
     assert isinstance(args.learning_rate, float)
     cfg.write_text("eval_dataset: math500\n")  # an args.json written before eval_dataset became a list
     assert common.parse_args(grpo.Args, ["--config", str(cfg)]).eval_dataset == ["math500"]
     assert common.parse_args(grpo.Args, ["--config", str(cfg), "--eval-dataset", "a", "b"]).eval_dataset == ["a", "b"]
 
 
-@pytest.mark.parametrize("content,needle", [
-    ({"total_steps": 2, "bogus": 1}, "unknown argument 'bogus' for grpo.py"),
-    ({"exp_name": "codapo", "codapo_offset": 0.1, "repeat_count": 4},
-     "unknown arguments 'codapo_offset', 'repeat_count' for grpo.py; the file is from exp_name 'codapo'"),
-    ({"total_steps": "two"}, "total_steps must be int, not str"),
-    ({"eval_k": [1, "2"]}, "eval_k must be int, not str"),
-    ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be bool"),
-    ([1, 2], "expected a mapping"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ({"total_steps": 2, "bogus": 1}, "unknown argument 'bogus' for grpo.py"),
+        (
+            {"exp_name": "codapo", "codapo_offset": 0.1, "repeat_count": 4},
+            "unknown arguments 'codapo_offset', 'repeat_count' for grpo.py; the file is from exp_name 'codapo'",
+        ),
+        ({"total_steps": "two"}, "total_steps must be int, not str"),
+        ({"eval_k": [1, "2"]}, "eval_k must be int, not str"),
+        ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be bool"),
+        ([1, 2], "expected a mapping"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_bad_config_is_one_line(content, needle, toy, tmp_path):
     cfg = tmp_path / "args.json"
     cfg.write_text(content if isinstance(content, str) else json.dumps(content))
@@ -351,8 +435,9 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
     # a grpo run's full args.json into codapo.py: grpo's own arguments are unknown there
     full = dict(json.load(open(cfg)), exp_name="grpo", scale_rewards="group")
     cfg.write_text(json.dumps(full))
-    with pytest.raises(common.UserError, match="unknown argument 'scale_rewards' for codapo.py; the file is from "
-                                               "exp_name 'grpo'"):
+    with pytest.raises(
+        common.UserError, match="unknown argument 'scale_rewards' for codapo.py; the file is from exp_name 'grpo'"
+    ):
         common.parse_args(codapo.Args, ["--config", str(cfg)])
     with pytest.raises(common.UserError, match="no such file"):
         common.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
@@ -365,8 +450,9 @@ def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path
     from tests.test_e2e import override_flags
 
     mod = importlib.import_module(method)
-    argv = with_flag(with_flag(flags(toy, tmp_path, "m", 2), "--log-rollouts-every", "1"), "--eval-dataset",
-                     toy["data"], toy["other"]) + override_flags(method)
+    argv = with_flag(
+        with_flag(flags(toy, tmp_path, "m", 2), "--log-rollouts-every", "1"), "--eval-dataset", toy["data"], toy["other"]
+    ) + override_flags(method)
     args = common.parse_args(mod.Args, argv)
     mod.main(args)
     rows = read_jsonl(tmp_path / "m" / "rollouts.jsonl")
@@ -374,8 +460,9 @@ def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path
     assert [r["step"] for r in rows] == [1] * B + [2] * B
     for step in (1, 2):
         step_rows = [r for r in rows if r["step"] == step]
-        (metric,) = [m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl")
-                     if m.get("step") == step and "rollout/reward_mean" in m]
+        (metric,) = [
+            m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl") if m.get("step") == step and "rollout/reward_mean" in m
+        ]
         assert metric["rollout/reward_mean"] == pytest.approx(sum(r["reward"] for r in step_rows) / B)
         assert all(math.isfinite(r["advantage"]) for r in step_rows)
     evals = [m for m in read_jsonl(tmp_path / "m" / "metrics.jsonl") if "eval/pass@1" in m]
@@ -394,4 +481,5 @@ def test_documented_reward_example_runs(tmp_path):
     problem = dict(task.problems[0], max_chars=10)
     right, wrong = f"so {problem['answer']}", "so -1"
     assert verifiers.compute_rewards(task, [problem] * 3, [right, wrong, right + " " * 20]) == pytest.approx(
-        [1.0, 0.0, 1.0 - 0.001 * (len(right) + 20 - 10)])
+        [1.0, 0.0, 1.0 - 0.001 * (len(right) + 20 - 10)]
+    )

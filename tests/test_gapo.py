@@ -72,8 +72,9 @@ def test_focal_advantage_shaping_by_hand():
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25]) * 0.5625
     expected = torch.cat([expected, torch.tensor([0.25, 0.25, 0.25, -0.75]) * 0.0625])
     assert torch.allclose(adv, expected, atol=1e-7)
-    assert torch.equal(gapo.compute_advantages(rewards, 4, "none", focal_gamma=0.0),
-                       gapo.compute_advantages(rewards, 4, "none"))
+    assert torch.equal(
+        gapo.compute_advantages(rewards, 4, "none", focal_gamma=0.0), gapo.compute_advantages(rewards, 4, "none")
+    )
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -111,7 +112,15 @@ def test_token_level_equals_grpo_when_max_equals_low(eps_high_as_tensor):
 def test_token_level_per_rollout_bound_by_hand():
     # two correct rollouts (A=0.5) at the same ratios, bounds 0.2 and 0.3; old_logp = 0 so ratio = exp(logp)
     logp = torch.log(torch.tensor([[1.25, 0.9], [1.25, 0.9]])).requires_grad_(True)
-    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(2, 2), torch.tensor([0.5, 0.5]), torch.ones(2, 2), eps_low=0.2, eps_high=torch.tensor([0.2, 0.3]), level="token")
+    loss, stats = gapo.compute_policy_loss(
+        logp,
+        torch.zeros(2, 2),
+        torch.tensor([0.5, 0.5]),
+        torch.ones(2, 2),
+        eps_low=0.2,
+        eps_high=torch.tensor([0.2, 0.3]),
+        level="token",
+    )
     # row 0: 1.25 > 1.2 -> -0.5*1.2 = -0.6 (clipped), 0.9 -> -0.45; row 1: -0.625, -0.45; token mean
     assert loss.item() == pytest.approx((-0.6 - 0.45 - 0.625 - 0.45) / 4, abs=1e-6)
     assert stats["clipfrac"] == pytest.approx(0.25) and stats["clipfrac_high"] == pytest.approx(0.25)
@@ -168,7 +177,9 @@ def test_gradient_zero_above_own_bound_nonzero_for_harder_group(level):
     assert eps[0].item() == pytest.approx(0.2 + 0.08 / 3) and eps[4].item() == pytest.approx(0.28)
     # every row at ratio 1.25: above the easy correct rollout's 1.2267, below the hard one's 1.28
     logp = torch.full((8, 3), math.log(1.25)).requires_grad_(True)
-    loss, stats = gapo.compute_policy_loss(logp, torch.zeros(8, 3), adv, torch.ones(8, 3), eps_low=0.2, eps_high=eps, level=level)
+    loss, stats = gapo.compute_policy_loss(
+        logp, torch.zeros(8, 3), adv, torch.ones(8, 3), eps_low=0.2, eps_high=eps, level=level
+    )
     loss.backward()
     assert (logp.grad[0] == 0).all()  # easy group's correct rollout: clipped, no gradient
     assert (logp.grad[4] < 0).all()  # hard group's correct rollout at the same ratio: still pushed up
@@ -198,8 +209,9 @@ def test_on_policy_ratio_one_gapo_equals_fixed_baseline():
 
 def test_kl_term_k3_matches_grpo():
     logp = torch.log(torch.tensor([[1.5]]))
-    loss, _ = gapo.compute_policy_loss(logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1),
-                                       ref_logp=torch.zeros(1, 1), beta=0.5)
+    loss, _ = gapo.compute_policy_loss(
+        logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1), ref_logp=torch.zeros(1, 1), beta=0.5
+    )
     assert loss.item() == pytest.approx(0.5 * (1 / 1.5 + math.log(1.5) - 1), rel=1e-5)
 
 

@@ -55,7 +55,9 @@ def test_policy_loss_other_aggregations_by_hand():
     logp, old, adv, mask = _loss_case()
     loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean")
     assert loss.item() == pytest.approx(((-1.2 - 0.5) / 2 + 1.1) / 2, abs=1e-6)  # 0.125
-    loss, _ = grpo.compute_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-sum-norm", max_tokens=4)
+    loss, _ = grpo.compute_policy_loss(
+        logp, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-sum-norm", max_tokens=4
+    )
     assert loss.item() == pytest.approx(-0.6 / (2 * 4), abs=1e-6)
 
 
@@ -74,8 +76,9 @@ def test_policy_loss_low_clip_gradient_zero_exactly_where_active():
 
 def test_policy_loss_kl_term_k3():
     logp = torch.log(torch.tensor([[1.5]]))
-    loss, _ = grpo.compute_policy_loss(logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1),
-                                       ref_logp=torch.zeros(1, 1), beta=0.5)
+    loss, _ = grpo.compute_policy_loss(
+        logp, logp.clone(), torch.tensor([0.0]), torch.ones(1, 1), ref_logp=torch.zeros(1, 1), beta=0.5
+    )
     k3 = 1 / 1.5 + math.log(1.5) - 1  # exp(ref - logp) - (ref - logp) - 1
     assert loss.item() == pytest.approx(0.5 * k3, rel=1e-5)
 
@@ -109,7 +112,7 @@ def _naive_logps(model, tb, temperature):
     pos = (tb.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask, position_ids=pos).logits.float()
     T = tb.completion_ids.shape[1]
-    logp = torch.log_softmax(logits[:, -T - 1:-1] / temperature, dim=-1)
+    logp = torch.log_softmax(logits[:, -T - 1 : -1] / temperature, dim=-1)
     return logp.gather(-1, tb.completion_ids.unsqueeze(-1)).squeeze(-1) * tb.completion_mask
 
 
@@ -199,13 +202,17 @@ def test_arith_train_and_eval_disjoint_and_tiers_mixed():
     assert not {p["question"] for p in train.problems} & {p["question"] for p in test.problems}
     assert {p["tier"] for p in test.problems} == set(range(verifiers.ARITH_TIERS))
     for p in test.problems[:50]:
-        assert eval(p["question"][len("What is "):-1]) == int(p["answer"])
+        assert eval(p["question"][len("What is ") : -1]) == int(p["answer"])
 
 
 def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
     tok, model = tiny
-    ro = common.RolloutBatch.from_rows(prompt_ids=[[2, 10], [2, 11], [2, 12]], completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
-                             texts=["", "", ""], finish_reasons=["length", "stop", "stop"])
+    ro = common.RolloutBatch.from_rows(
+        prompt_ids=[[2, 10], [2, 11], [2, 12]],
+        completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
+        texts=["", "", ""],
+        finish_reasons=["length", "stop", "stop"],
+    )
     later = common.batch_logps(model, ro, [1, 2], tok.pad_token_id, 1.0, token_budget=64)  # longest row excluded
     assert later.shape == (2, common.completion_mask_of(ro).shape[1]) == (2, 4)
     full = common.batch_logps(model, ro, range(3), tok.pad_token_id, 1.0, token_budget=64)

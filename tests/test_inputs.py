@@ -15,7 +15,6 @@ import pytest
 
 import common
 import verifiers
-
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +34,7 @@ def no_loading(monkeypatch):
         def fn(*a, **k):
             reached.append(what)
             raise Loaded(what)
+
         return fn
 
     monkeypatch.setattr(verifiers, "load_task", stop("load_task"))
@@ -102,20 +102,28 @@ COMMON_CASES = [
     (["--engine", "vllm"], "--engine vllm needs vLLM"),  # the main suite's venv has no vLLM (CPU or GPU build)
 ]
 METHOD_CASES = {
-    "grpo": [(["--scale-rewards", "std"], "invalid choice: 'std'"),
-             (["--loss-agg", "mean"], "invalid choice: 'mean'"),
-             (["--clip-low", "2"], "--clip-low 2.0: must be in [0, 1]")],
-    "gapo": [(["--clip-mode", "auto"], "invalid choice: 'auto'"),
-             (["--clip-level", "seq"], "invalid choice: 'seq'"),
-             (["--scale-rewards", "std"], "invalid choice: 'std'"),
-             (["--clip-high-max", "nan"], "--clip-high-max nan: must be finite and >= 0"),
-             (["--clip-high-max", "0.1"], "--clip-high-max 0.1: must be >= --clip-low with --clip-mode adaptive")],
-    "mugrpo": [(["--veto-scope", "all"], "invalid choice: 'all'"),
-               (["--behav-logp", "vllm"], "invalid choice: 'vllm'"),
-               (["--prompts-per-step", "12"], "--prompts-per-step 12: must be a multiple of --updates-per-batch")],
-    "codapo": [(["--loss-agg", "mean"], "invalid choice: 'mean'"),
-               (["--codapo-percentile", "2"], "--codapo-percentile 2.0: must be in [0, 1]"),
-               (["--codapo-offset", "-1"], "--codapo-offset -1.0: must be >= 0")],
+    "grpo": [
+        (["--scale-rewards", "std"], "invalid choice: 'std'"),
+        (["--loss-agg", "mean"], "invalid choice: 'mean'"),
+        (["--clip-low", "2"], "--clip-low 2.0: must be in [0, 1]"),
+    ],
+    "gapo": [
+        (["--clip-mode", "auto"], "invalid choice: 'auto'"),
+        (["--clip-level", "seq"], "invalid choice: 'seq'"),
+        (["--scale-rewards", "std"], "invalid choice: 'std'"),
+        (["--clip-high-max", "nan"], "--clip-high-max nan: must be finite and >= 0"),
+        (["--clip-high-max", "0.1"], "--clip-high-max 0.1: must be >= --clip-low with --clip-mode adaptive"),
+    ],
+    "mugrpo": [
+        (["--veto-scope", "all"], "invalid choice: 'all'"),
+        (["--behav-logp", "vllm"], "invalid choice: 'vllm'"),
+        (["--prompts-per-step", "12"], "--prompts-per-step 12: must be a multiple of --updates-per-batch"),
+    ],
+    "codapo": [
+        (["--loss-agg", "mean"], "invalid choice: 'mean'"),
+        (["--codapo-percentile", "2"], "--codapo-percentile 2.0: must be in [0, 1]"),
+        (["--codapo-offset", "-1"], "--codapo-offset -1.0: must be >= 0"),
+    ],
 }
 CASES = [(m, f, n) for m in METHODS for f, n in COMMON_CASES + METHOD_CASES.get(m, [])]
 
@@ -156,20 +164,29 @@ def test_valid_flags_get_past_validation(method, no_loading, monkeypatch, capsys
 def _subprocess(method, flags, env_extra=None):
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, f"{method}.py"), *flags], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, f"{method}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     return proc, time.time() - t0
 
 
-@pytest.mark.parametrize("method,flags,needle", [
-    ("grpo", ["--num-generations", "0"], "--num-generations 0"),
-    ("grpo", ["--eval-temperature", "0"], "--eval-temperature 0.0"),
-    ("grpo", ["--output-dir", "FILE"], "is a file"),
-    ("grpo", ["--max-new-tokens", "x"], "invalid int value"),
-    ("gapo", ["--clip-mode", "x"], "invalid choice"),
-    ("mugrpo", ["--veto-scope", "x"], "--veto-scope"),
-    ("codapo", ["--loss-agg", "x"], "--loss-agg"),
-])
+@pytest.mark.parametrize(
+    "method,flags,needle",
+    [
+        ("grpo", ["--num-generations", "0"], "--num-generations 0"),
+        ("grpo", ["--eval-temperature", "0"], "--eval-temperature 0.0"),
+        ("grpo", ["--output-dir", "FILE"], "is a file"),
+        ("grpo", ["--max-new-tokens", "x"], "invalid int value"),
+        ("gapo", ["--clip-mode", "x"], "invalid choice"),
+        ("mugrpo", ["--veto-scope", "x"], "--veto-scope"),
+        ("codapo", ["--loss-agg", "x"], "--loss-agg"),
+    ],
+)
 def test_bad_flag_real_cli(method, flags, needle, files, tmp_path):
     """The real command line: exit 2, one error line, no traceback. --model and --dataset point at things that
     fail with other messages when loaded (an unknown hub id offline, a broken jsonl), so the flag's message
@@ -197,13 +214,16 @@ def _write(path, text: bytes):
 GOOD = b'{"question": "1+1?", "answer": "2"}\n'
 
 
-@pytest.mark.parametrize("content,line,needle", [
-    (GOOD + GOOD + b'{"question": "2+2?", "answer": \n' + GOOD, 3, "not valid JSON"),
-    (GOOD + b'{"question": "caf\xe9?", "answer": "2"}\n', 2, "not UTF-8"),
-    (GOOD + GOOD + GOOD + b'{"question": "3+3?", "solution": "6"}\n', 4, "row has no field 'answer'"),
-    (GOOD + b'[1, 2]\n', 2, "expected a JSON object"),
-    (GOOD + b"\n" + b'{"question": "x", "answer": "1"' + b"\n", 3, "not valid JSON"),  # blank lines count
-])
+@pytest.mark.parametrize(
+    "content,line,needle",
+    [
+        (GOOD + GOOD + b'{"question": "2+2?", "answer": \n' + GOOD, 3, "not valid JSON"),
+        (GOOD + b'{"question": "caf\xe9?", "answer": "2"}\n', 2, "not UTF-8"),
+        (GOOD + GOOD + GOOD + b'{"question": "3+3?", "solution": "6"}\n', 4, "row has no field 'answer'"),
+        (GOOD + b"[1, 2]\n", 2, "expected a JSON object"),
+        (GOOD + b"\n" + b'{"question": "x", "answer": "1"' + b"\n", 3, "not valid JSON"),  # blank lines count
+    ],
+)
 def test_jsonl_data_errors_name_file_and_line(content, line, needle, tmp_path):
     path = _write(tmp_path / "data.jsonl", content)
     with pytest.raises(common.UserError) as exc:
@@ -225,8 +245,10 @@ def test_json_and_gzip_data_errors(tmp_path):
     path = _write(tmp_path / "items.json", b'[{"question": "a", "answer": "1"}, 7]')
     with pytest.raises(common.UserError, match="item 2 of the list is a int"):
         verifiers.load_task(path, "train", 0)
-    path = _write(tmp_path / "columns.json", json.dumps({"question": ["a", "b", "c", "d", "e"],
-                                                         "answer": ["1", "2", "3", "4", "5"]}).encode())
+    path = _write(
+        tmp_path / "columns.json",
+        json.dumps({"question": ["a", "b", "c", "d", "e"], "answer": ["1", "2", "3", "4", "5"]}).encode(),
+    )
     (held_out,) = verifiers.load_task(path, "eval", 0).problems  # a column dict: 5 rows, 1 held out
     assert held_out["answer"] == str("abcde".index(held_out["question"]) + 1)
     gz = tmp_path / "data.jsonl.gz"
@@ -246,10 +268,36 @@ def test_rows_without_a_usable_answer_are_counted_not_hidden(tmp_path, capsys):
 
 def test_data_error_real_cli(tmp_path):
     path = _write(tmp_path / "data.jsonl", GOOD * 5 + b'{"question": "q"}\n')
-    proc, _ = _subprocess("grpo", ["--model", "no-such-org/no-such-model", "--dataset", path,
-                                   "--output-dir", str(tmp_path / "r")])
+    proc, _ = _subprocess(
+        "grpo", ["--model", "no-such-org/no-such-model", "--dataset", path, "--output-dir", str(tmp_path / "r")]
+    )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0] == f"error: {path}:6: row has no field 'answer'; its fields are ['question'] (every row needs " \
-                        "'question' and 'answer')"
+    assert (
+        errors[0] == f"error: {path}:6: row has no field 'answer'; its fields are ['question'] (every row needs "
+        "'question' and 'answer')"
+    )
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_help_lists_every_flag_with_its_default(method, monkeypatch, capsys):
+    """One dataclass per script (common.Args + the method's own fields): --help shows each flag once, with its
+    default (Mu-GRPO's stage defaults included) and the choices of each Literal flag."""
+    import dataclasses
+
+    mod = importlib.import_module(method)
+    monkeypatch.setattr(sys, "argv", [f"{method}.py", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        common.run_cli(mod.main, mod.Args)
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    entries = {e.split()[0].split(",")[0].split("=")[0]: e for e in ("\n" + text).split("\n  --")[1:]}
+    for f in dataclasses.fields(mod.Args):
+        entry = entries.get(f.name)
+        assert entry is not None, f"--{f.name} missing from --help"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert f"(default:{default})".replace(" ", "") in "".join(entry.split()), (f.name, entry)  # help wraps anywhere
+    if method == "mugrpo":
+        assert "(default:3)" in "".join(entries["total_steps"].split())  # the stage default, not grpo.py's 12
+        assert "{none,trigger,suffix,suffix_nontrigger,sequence}" in entries["veto_scope"]

@@ -46,14 +46,15 @@ def test_advantages_by_hand_std_plus_1e6():
 def _veto_case():
     """Rows: 0 A<0 with triggers at t=1 and t=3 (and a trigger-like value on padding t=5); 1 A>0 with
     trigger-like log-ratios; 2 A<0 without triggers; 3 A=0 with trigger-like log-ratios."""
-    log_ratio = torch.tensor([
-        [OK, TRIG, OK, TRIG, 0.3, -50.0],
-        [TRIG, TRIG, OK, 0.0, 0.0, 0.0],
-        [OK, OK, 0.2, OK, -50.0, -50.0],
-        [TRIG, OK, TRIG, 0.0, 0.0, 0.0],
-    ])
-    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]],
-                        dtype=torch.float32)
+    log_ratio = torch.tensor(
+        [
+            [OK, TRIG, OK, TRIG, 0.3, -50.0],
+            [TRIG, TRIG, OK, 0.0, 0.0, 0.0],
+            [OK, OK, 0.2, OK, -50.0, -50.0],
+            [TRIG, OK, TRIG, 0.0, 0.0, 0.0],
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
     behav = torch.full((4, 6), -3.0)
     logp = behav + log_ratio
     adv = torch.tensor([-1.0, 1.0, -0.5, 0.0])
@@ -85,8 +86,9 @@ def test_veto_triggers_only_real_tokens_of_negative_rows():
     trig = mugrpo.veto_triggers(logp, behav, adv, mask, LOG_DELTA)
     assert trig.nonzero().tolist() == [[0, 1], [0, 3]]  # not the padded -50, not rows with A >= 0
     # the threshold is strict and uses delta itself
-    exact = mugrpo.veto_triggers(torch.tensor([[LOG_DELTA, LOG_DELTA - 1e-3]]), torch.zeros(1, 2),
-                                 torch.tensor([-1.0]), torch.ones(1, 2), LOG_DELTA)
+    exact = mugrpo.veto_triggers(
+        torch.tensor([[LOG_DELTA, LOG_DELTA - 1e-3]]), torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2), LOG_DELTA
+    )
     assert exact.tolist() == [[False, True]]
 
 
@@ -102,8 +104,9 @@ def test_trigger_test_does_not_underflow_at_tiny_probabilities():
     assert keep.tolist() == [[1.0, 0.0, 0.0]]
     # a delta far below fp32's range (1e-60) still works in log space
     tiny_delta = math.log(1e-60)
-    trig = mugrpo.veto_triggers(torch.tensor([[-400.0, -400.0]]), torch.tensor([[-200.0, -300.0]]), adv,
-                                torch.ones(1, 2), tiny_delta)
+    trig = mugrpo.veto_triggers(
+        torch.tensor([[-400.0, -400.0]]), torch.tensor([[-200.0, -300.0]]), adv, torch.ones(1, 2), tiny_delta
+    )
     assert trig.tolist() == [[True, False]]  # -200 < -138.2 < -100
 
 
@@ -122,10 +125,14 @@ def test_loss_scope_none_tight_clip_equals_grpo_token_mean():
     for beta in (0.0, 0.1):
         a = base.clone().requires_grad_(True)
         keep = mugrpo.veto_mask(a.detach(), old, adv, mask, LOG_DELTA, "none")
-        loss_mu, st_mu = mugrpo.compute_policy_loss(a, old, adv, mask, eps_low=0.2, eps_high=0.2, keep=keep, ref_logp=ref, beta=beta)
+        loss_mu, st_mu = mugrpo.compute_policy_loss(
+            a, old, adv, mask, eps_low=0.2, eps_high=0.2, keep=keep, ref_logp=ref, beta=beta
+        )
         loss_mu.backward()
         b = base.clone().requires_grad_(True)
-        loss_g, st_g = grpo.compute_policy_loss(b, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="token-mean", ref_logp=ref, beta=beta)
+        loss_g, st_g = grpo.compute_policy_loss(
+            b, old, adv, mask, eps_low=0.2, eps_high=0.2, loss_agg="token-mean", ref_logp=ref, beta=beta
+        )
         loss_g.backward()
         assert loss_mu.item() == pytest.approx(loss_g.item(), rel=1e-6, abs=1e-7)
         assert torch.allclose(a.grad, b.grad, atol=1e-7)
@@ -190,10 +197,12 @@ def test_beta_kl_term_applies_to_vetoed_tokens_too():
 
 def _packed_batch():
     rb = common.RolloutBatch(with_engine_logps=True)  # as the vLLM engine builds it
-    rows = [([5, 6, 7], [300, 301, 2], "a", "stop", [-0.5, -1.25, -0.125]),
-            ([5, 6, 7], [40000], "b", "length", torch.tensor([-2.0])),  # HF: a tensor slice
-            ([9], [], "", "length", []),
-            ([9], [1, 70000], "c", "stop", [-3.0, -0.1])]
+    rows = [
+        ([5, 6, 7], [300, 301, 2], "a", "stop", [-0.5, -1.25, -0.125]),
+        ([5, 6, 7], [40000], "b", "length", torch.tensor([-2.0])),  # HF: a tensor slice
+        ([9], [], "", "length", []),
+        ([9], [1, 70000], "c", "stop", [-3.0, -0.1]),
+    ]
     for row in rows:
         rb.append_row(*row)
     return rb, rows
@@ -219,8 +228,9 @@ def test_rollout_batch_rows():
     assert tb.input_ids[0].tolist() == [5, 6, 7, 300, 301, 2] and tb.input_ids[3].tolist() == [0, 0, 9, 1, 70000, 0]
     assert common.completion_mask_of(rb).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
     # the constructor of lists of rows gives the same batch
-    again = common.RolloutBatch.from_rows([r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons,
-                                          [list(map(float, r[4])) for r in rows])
+    again = common.RolloutBatch.from_rows(
+        [r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons, [list(map(float, r[4])) for r in rows]
+    )
     assert tiny.prompts(again) == tiny.prompts(rb) and tiny.completions(again) == tiny.completions(rb)
     assert tiny.engine_logps(again) == tiny.engine_logps(rb)
     assert not common.RolloutBatch.from_rows([[1]], [[2]], [], []).has_engine_logps
@@ -230,10 +240,14 @@ def test_rollout_batch_is_packed():
     """int32 tokens + int64 offsets, each run of rows of one prompt stores the prompt once, float32 log-probs."""
     rb, rows = _packed_batch()
     n_tok = 3 + 1 + 0 + 2
-    expected = (4 * (3 + 1) + 8 * (2 + 1)  # two stored prompts (3 and 1 tokens) and their offsets
-                + 8 * 4  # row -> stored prompt
-                + 4 * n_tok + 8 * (4 + 1)  # completion tokens and offsets
-                + 4 * n_tok)  # log-probs (they share the completions' offsets)
+    expected = (
+        4 * (3 + 1)
+        + 8 * (2 + 1)  # two stored prompts (3 and 1 tokens) and their offsets
+        + 8 * 4  # row -> stored prompt
+        + 4 * n_tok
+        + 8 * (4 + 1)  # completion tokens and offsets
+        + 4 * n_tok
+    )  # log-probs (they share the completions' offsets)
     assert rb.nbytes() == expected
     with pytest.raises(ValueError, match="log-probs"):
         rb.append_row([1], [2, 3], "", "stop", [-1.0])  # one log-prob per completion token
@@ -259,8 +273,11 @@ def test_rollout_batch_memory_per_token():
     for c, lp in zip(comps, logps):
         rb.append_row(prompt, c.tolist(), "", "stop", lp)
     packed = tracemalloc.get_traced_memory()[0] - before
-    old = {"prompt_ids": [list(prompt) for _ in comps], "completion_ids": [c.tolist() for c in comps],
-           "engine_logps": [lp.tolist() for lp in logps]}
+    old = {
+        "prompt_ids": [list(prompt) for _ in comps],
+        "completion_ids": [c.tolist() for c in comps],
+        "engine_logps": [lp.tolist() for lp in logps],
+    }
     lists = tracemalloc.get_traced_memory()[0] - before - packed
     tracemalloc.stop()
     n_tok = 64 * 400
@@ -284,9 +301,23 @@ def toy(tmp_path_factory):
 
 
 def _settings(toy, out, run_name, **kw):
-    s = dict(model=toy["model"], dataset=toy["data"], reward="arith", total_steps=2, prompts_per_step=8,
-             updates_per_batch=4, num_generations=8, max_new_tokens=3, learning_rate=3e-3, warmup_updates=1,
-             eval_limit=2, eval_samples=2, eval_k=[2], output_dir=str(out), run_name=run_name)
+    s = dict(
+        model=toy["model"],
+        dataset=toy["data"],
+        reward="arith",
+        total_steps=2,
+        prompts_per_step=8,
+        updates_per_batch=4,
+        num_generations=8,
+        max_new_tokens=3,
+        learning_rate=3e-3,
+        warmup_updates=1,
+        eval_limit=2,
+        eval_samples=2,
+        eval_k=[2],
+        output_dir=str(out),
+        run_name=run_name,
+    )
     s.update(kw)
     return s
 
@@ -387,8 +418,21 @@ def test_baseline_flags_reproduce_grpo_py(toy, tmp_path, monkeypatch):
 def test_veto_fires_when_the_policy_moves_far(toy, tmp_path):
     """A huge learning rate within a stage makes some sampled tokens collapse: triggers appear, and the default
     scope vetoes post-trigger tokens of A<0 responses (logged per update)."""
-    mugrpo.main(mugrpo.Args(**_settings(toy, tmp_path, "far", learning_rate=0.3, total_steps=1, prompts_per_step=16,
-                                        updates_per_batch=8, max_new_tokens=8, veto_delta=0.1)))
+    mugrpo.main(
+        mugrpo.Args(
+            **_settings(
+                toy,
+                tmp_path,
+                "far",
+                learning_rate=0.3,
+                total_steps=1,
+                prompts_per_step=16,
+                updates_per_batch=8,
+                max_new_tokens=8,
+                veto_delta=0.1,
+            )
+        )
+    )
     rows = [r for r in _rows(tmp_path, "far") if "losses/policy_loss" in r]
     assert sum(r["mugrpo/vetoed_token_frac"] > 0 for r in rows) >= 2
     for r in rows:  # no veto without a triggered A<0 response; none at the stage's first update (ratio = 1)
@@ -397,15 +441,23 @@ def test_veto_fires_when_the_policy_moves_far(toy, tmp_path):
     assert rows[0]["mugrpo/vetoed_token_frac"] == 0.0 and rows[0]["mugrpo/staleness"] == 0
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--prompts-per-step", "6", "--updates-per-batch", "4"], "multiple of --updates-per-batch"),
-    (["--veto-scope", "everything"], "--veto-scope"),
-    (["--behav-logp", "vllm"], "--behav-logp"),
-    (["--veto-delta", "0"], "--veto-delta"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--prompts-per-step", "6", "--updates-per-batch", "4"], "multiple of --updates-per-batch"),
+        (["--veto-scope", "everything"], "--veto-scope"),
+        (["--behav-logp", "vllm"], "--behav-logp"),
+        (["--veto-delta", "0"], "--veto-delta"),
+    ],
+)
 def test_bad_stage_flags_one_clear_line(flags, needle, tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "mugrpo.py"), *flags, "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "mugrpo.py"), *flags, "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and needle in err[0] and "Traceback" not in proc.stderr
@@ -420,4 +472,10 @@ def test_stage_defaults_are_redeclared_not_the_common_block():
     assert a.total_steps * a.prompts_per_step == g.total_steps * g.prompts_per_step  # rollouts
     assert (a.clip_low, a.clip_high, a.veto_scope, a.behav_logp) == (1.0, 4.0, "suffix_nontrigger", "trainer")
     names = [f.name for f in mugrpo.Args.__dataclass_fields__.values()]
-    assert names[:len(grpo.Args.__dataclass_fields__) - 4] == [f for f in grpo.Args.__dataclass_fields__][:-4]
+    assert names[: len(grpo.Args.__dataclass_fields__) - 4] == [f for f in grpo.Args.__dataclass_fields__][:-4]
+
+
+def test_veto_scopes_are_the_flag_choices():
+    import typing
+
+    assert typing.get_args(typing.get_type_hints(mugrpo.Args)["veto_scope"]) == mugrpo.VETO_SCOPES

@@ -4,8 +4,6 @@
 2. --gradient-checkpointing: the trainable model is in training mode, so decoder layers are checkpointed.
 3. HFEngine samples from softmax(logits / T), whatever the model's generation_config says."""
 
-import os
-
 import pytest
 import torch
 
@@ -202,8 +200,9 @@ def test_hf_engine_ignores_the_models_generation_config(tmp_path, name, temperat
 
     path = tiny_mod.make_tiny_model(str(tmp_path / name), seed=3)
     tok = common.load_tokenizer(path)
-    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                     **GENERATION_CONFIGS[name]).save_pretrained(path)
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **GENERATION_CONFIGS[name]).save_pretrained(
+        path
+    )
     model = common.load_model(path, torch.device("cpu"))
     assert getattr(model.generation_config, next(iter(GENERATION_CONFIGS[name]))) is not None
     saved = model.generation_config.to_dict()
@@ -212,7 +211,6 @@ def test_hf_engine_ignores_the_models_generation_config(tmp_path, name, temperat
     torch.manual_seed(0)
     ro = engine.generate(prompts, n=8, max_new_tokens=12, temperature=temperature, progress=False)
     assert model.generation_config.to_dict() == saved  # restored after the call
-    trainer = common.batch_logps(model, ro, range(len(ro)), tok.pad_token_id, temperature,
-                                 token_budget=512)
+    trainer = common.batch_logps(model, ro, range(len(ro)), tok.pad_token_id, temperature, token_budget=512)
     for r, eng in enumerate(tiny_mod.engine_logps(ro)):
-        assert torch.allclose(trainer[r, :len(eng)], torch.tensor(eng), atol=1e-4), (name, r)
+        assert torch.allclose(trainer[r, : len(eng)], torch.tensor(eng), atol=1e-4), (name, r)

@@ -1,4 +1,5 @@
 """The studies' per-run tables (docs/studies/*_runs.py) on synthetic runs, against figures computed by hand."""
+
 import importlib.util
 import json
 import os
@@ -26,22 +27,46 @@ def write_run(root, name, args, rows, done=True):
 
 def codapo_run(root, seed, weighting, focused, after, done=True):
     arm = {(True, True): "full", (False, True): "noweight", (True, False): "nofocus", (False, False): "neither"}
-    rows = [{"step": 0, "eval/pass@1": 0.25, "eval/pass@2": 0.4, **{f"eval/tier{t}/pass@1": 0.1 * t for t in range(5)}},
-            {"step": 1, "update": 1, "rollout/reward_mean": 0.05, "codapo/confidence_correct_mean": 0.5,
-             "codapo/confidence_incorrect_mean": 0.25, "codapo/adv_abs_mean_unweighted": 0.1},
-            {"step": 1, "update": 2, "losses/grad_norm": 1.0},  # second update of the step: no rollout keys
-            {"step": 2, "update": 3, "rollout/reward_mean": 0.4, "codapo/confidence_correct_mean": 0.75,
-             "codapo/adv_abs_mean_unweighted": 0.8},  # no incorrect rollout in this step: key absent
-            {"step": 2, "eval/pass@1": after, "eval/pass@2": after + 0.1,
-             **{f"eval/tier{t}/pass@1": 0.2 * t for t in range(5)}}]
-    write_run(root, f"{arm[(weighting, focused)]}_s{seed}",
-              {"exp_name": f"codapo_{arm[(weighting, focused)]}", "seed": seed, "codapo_weighting": weighting,
-               "focused_step": focused, "eval_k": [2]}, rows, done)
+    rows = [
+        {"step": 0, "eval/pass@1": 0.25, "eval/pass@2": 0.4, **{f"eval/tier{t}/pass@1": 0.1 * t for t in range(5)}},
+        {
+            "step": 1,
+            "update": 1,
+            "rollout/reward_mean": 0.05,
+            "codapo/confidence_correct_mean": 0.5,
+            "codapo/confidence_incorrect_mean": 0.25,
+            "codapo/adv_abs_mean_unweighted": 0.1,
+        },
+        {"step": 1, "update": 2, "losses/grad_norm": 1.0},  # second update of the step: no rollout keys
+        {
+            "step": 2,
+            "update": 3,
+            "rollout/reward_mean": 0.4,
+            "codapo/confidence_correct_mean": 0.75,
+            "codapo/adv_abs_mean_unweighted": 0.8,
+        },  # no incorrect rollout in this step: key absent
+        {"step": 2, "eval/pass@1": after, "eval/pass@2": after + 0.1, **{f"eval/tier{t}/pass@1": 0.2 * t for t in range(5)}},
+    ]
+    write_run(
+        root,
+        f"{arm[(weighting, focused)]}_s{seed}",
+        {
+            "exp_name": f"codapo_{arm[(weighting, focused)]}",
+            "seed": seed,
+            "codapo_weighting": weighting,
+            "focused_step": focused,
+            "eval_k": [2],
+        },
+        rows,
+        done,
+    )
 
 
 def test_codapo_main_effects_paired_per_seed(tmp_path, capsys):
-    after = {1: {(True, True): 0.60, (False, True): 0.50, (True, False): 0.40, (False, False): 0.40},
-             2: {(True, True): 0.30, (False, True): 0.40, (True, False): 0.30, (False, False): 0.30}}
+    after = {
+        1: {(True, True): 0.60, (False, True): 0.50, (True, False): 0.40, (False, False): 0.40},
+        2: {(True, True): 0.30, (False, True): 0.40, (True, False): 0.30, (False, False): 0.30},
+    }
     for seed, cells in after.items():
         for (weighting, focused), value in cells.items():
             codapo_run(tmp_path, seed, weighting, focused, value)
@@ -56,8 +81,10 @@ def test_codapo_main_effects_paired_per_seed(tmp_path, capsys):
     assert "seed 3" not in out.split("Main effects")[1]
     assert "_s4" not in out and "| 4 |" not in out
     # per run: first and last step of each rollout key, the absent incorrect-confidence key keeps the step-1 value
-    assert ("| codapo_full | 1 | on | on | 0.250 (s0) / 0.600 (s2) | 0.700 | 0.00 0.20 0.40 0.60 0.80 "
-            "| 0.05 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.25 | 0.10 -> 0.80 |") in out
+    assert (
+        "| codapo_full | 1 | on | on | 0.250 (s0) / 0.600 (s2) | 0.700 | 0.00 0.20 0.40 0.60 0.80 "
+        "| 0.05 -> 0.40 | 0.50 -> 0.75 | 0.25 -> 0.25 | 0.10 -> 0.80 |"
+    ) in out
     # per step, mean over seeds: full has seeds 1-3 (all the same rows); step 2 has no incorrect confidence
     assert "| codapo_full | codapo/confidence_correct_mean | 0.50 | 0.75 |" in out
     assert "| codapo_full | codapo/confidence_incorrect_mean | 0.25 | - |" in out
@@ -72,15 +99,42 @@ def test_codapo_no_finished_runs_is_a_clear_error(tmp_path):
 
 
 def test_mugrpo_run_summary(tmp_path):
-    rows = [{"step": 0, "eval/pass@1": 0.4, "eval/pass@2": 0.5, "eval/response_len_mean": 18.0},
-            {"step": 1, "update": 1, "losses/grad_norm": 0.0, "losses/approx_kl": 0.0, "losses/entropy": 0.7,
-             "losses/clipfrac": 0.0, "rollout/reward_mean": 0.1, "rollout/truncated_frac": 0.3},
-            {"step": 1, "update": 2, "losses/grad_norm": 2.0, "losses/approx_kl": 0.5, "losses/entropy": 0.6,
-             "losses/clipfrac": 0.1, "mugrpo/triggered_frac": 0.6, "mugrpo/vetoed_token_frac": 0.2},
-            {"step": 2, "update": 3, "losses/grad_norm": 1.0, "losses/approx_kl": 1.0, "losses/entropy": 0.5,
-             "losses/clipfrac": 0.3, "mugrpo/triggered_frac": 0.2, "mugrpo/vetoed_token_frac": 0.0,
-             "rollout/reward_mean": 0.0, "rollout/truncated_frac": 0.1},
-            {"step": 2, "eval/pass@1": 0.1, "eval/pass@2": 0.2, "eval/response_len_mean": 8.0}]
+    rows = [
+        {"step": 0, "eval/pass@1": 0.4, "eval/pass@2": 0.5, "eval/response_len_mean": 18.0},
+        {
+            "step": 1,
+            "update": 1,
+            "losses/grad_norm": 0.0,
+            "losses/approx_kl": 0.0,
+            "losses/entropy": 0.7,
+            "losses/clipfrac": 0.0,
+            "rollout/reward_mean": 0.1,
+            "rollout/truncated_frac": 0.3,
+        },
+        {
+            "step": 1,
+            "update": 2,
+            "losses/grad_norm": 2.0,
+            "losses/approx_kl": 0.5,
+            "losses/entropy": 0.6,
+            "losses/clipfrac": 0.1,
+            "mugrpo/triggered_frac": 0.6,
+            "mugrpo/vetoed_token_frac": 0.2,
+        },
+        {
+            "step": 2,
+            "update": 3,
+            "losses/grad_norm": 1.0,
+            "losses/approx_kl": 1.0,
+            "losses/entropy": 0.5,
+            "losses/clipfrac": 0.3,
+            "mugrpo/triggered_frac": 0.2,
+            "mugrpo/vetoed_token_frac": 0.0,
+            "rollout/reward_mean": 0.0,
+            "rollout/truncated_frac": 0.1,
+        },
+        {"step": 2, "eval/pass@1": 0.1, "eval/pass@2": 0.2, "eval/response_len_mean": 8.0},
+    ]
     write_run(tmp_path, "naive_s1", {"exp_name": "naive", "seed": 1, "eval_k": [2]}, rows)
     mod = load_module("mugrpo_runs")
     s = mod.summarise(*mod.load(str(tmp_path / "naive_s1")))

@@ -1,4 +1,4 @@
-"""layout.md's template rule: outside the `# ALGO LOGIC` blocks, the method-specific Args block and the module
+"""The template rule: outside the `# ALGO LOGIC` blocks, the method-specific Args block and the module
 docstring, grpo.py, gapo.py, mugrpo.py and codapo.py are identical line for line.
 
 Stripped before comparing:
@@ -56,12 +56,22 @@ def template_lines(path: str, keep_inline: bool = False) -> list[str]:
 
 def test_stripping_rules_on_a_sample(tmp_path):
     sample = tmp_path / "x.py"
-    sample.write_text('"""doc"""\nimport a\n\nclass Args:\n    x: int = 1\n    # X specific arguments\n    y: int = 2\n\n'
-                      "# ALGO LOGIC: f\ndef f():\n    return 1\n\n\ndef main(args):\n    a = 1\n    # ALGO LOGIC: adv\n"
-                      "    b = 2\n    # TRY NOT TO MODIFY: rest\n    c = 3  # ALGO LOGIC\n    d = 4\n")
+    sample.write_text(
+        '"""doc"""\nimport a\n\nclass Args:\n    x: int = 1\n    # X specific arguments\n    y: int = 2\n\n'
+        "# ALGO LOGIC: f\ndef f():\n    return 1\n\n\ndef main(args):\n    a = 1\n    # ALGO LOGIC: adv\n"
+        "    b = 2\n    # TRY NOT TO MODIFY: rest\n    c = 3  # ALGO LOGIC\n    d = 4\n"
+    )
     # blank lines inside a stripped block go with it
-    assert template_lines(str(sample)) == ["import a", "", "class Args:", "    x: int = 1", "def main(args):",
-                                           "    a = 1", "    # TRY NOT TO MODIFY: rest", "    d = 4"]
+    assert template_lines(str(sample)) == [
+        "import a",
+        "",
+        "class Args:",
+        "    x: int = 1",
+        "def main(args):",
+        "    a = 1",
+        "    # TRY NOT TO MODIFY: rest",
+        "    d = 4",
+    ]
 
 
 def template_drift(base: list[str], other: list[str]) -> list[str]:
@@ -100,9 +110,19 @@ def test_method_script_matches_grpo_outside_algo_logic(method):
 def test_template_sections_present_in_order(method):
     with open(os.path.join(ROOT, f"{method}.py")) as f:
         text = f.read()
-    markers = ["class Args(common.Args):", "# ALGO LOGIC: advantages", "def compute_advantages(", "# ALGO LOGIC: policy loss",
-               "def compute_policy_loss(", "def main(args", "# TRY NOT TO MODIFY: run dir", "# TRY NOT TO MODIFY: rollout",
-               "# TRY NOT TO MODIFY: rewards", "# TRY NOT TO MODIFY: metrics, eval, checkpoint", 'if __name__ == "__main__":']
+    markers = [
+        "class Args(common.Args):",
+        "# ALGO LOGIC: advantages",
+        "def compute_advantages(",
+        "# ALGO LOGIC: policy loss",
+        "def compute_policy_loss(",
+        "def main(args",
+        "# TRY NOT TO MODIFY: run dir",
+        "# TRY NOT TO MODIFY: rollout",
+        "# TRY NOT TO MODIFY: rewards",
+        "# TRY NOT TO MODIFY: metrics, eval, checkpoint",
+        'if __name__ == "__main__":',
+    ]
     positions = [text.find(m) for m in markers]
     assert all(p >= 0 for p in positions), [m for m, p in zip(markers, positions) if p < 0]
     assert positions == sorted(positions)

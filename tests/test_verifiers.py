@@ -370,10 +370,7 @@ def test_code_reward_mbpp(clean_sandbox):
     }
     good = "```python\ndef similar(a, b):\n    return tuple(sorted(set(a) & set(b)))\n```"
     wrong = "```python\ndef similar(a, b):\n    return tuple(set(a) | set(b))\n```"
-    always_equal = (
-        "class E(tuple):\n    def __eq__(self, other):\n        return True\n\n"
-        "def similar(a, b):\n    return E()\n"
-    )
+    always_equal = "class E(tuple):\n    def __eq__(self, other):\n        return True\n\ndef similar(a, b):\n    return E()\n"
     assert V.code_rewards_batch([good, wrong, always_equal], [problem] * 3) == [1.0, 0.0, 0.0]
 
 
@@ -417,18 +414,14 @@ HOSTILE = {
     "alloc_10GB": "def add(a, b):\n    block = bytearray(10 * 2**30)\n    return a + b\n",
     "output_flood": "import sys\n\ndef add(a, b):\n    while True:\n        sys.stdout.write('x' * 65536)\n",
     "stderr_flood": "import os\n\ndef add(a, b):\n    while True:\n        os.write(2, b'y' * 65536)\n",
-    "sys_exit_before_tests": (
-        "import sys\n\ndef add(a, b):\n    return a + b\n\nprint('all tests passed')\nsys.exit(0)\n"
-    ),
+    "sys_exit_before_tests": ("import sys\n\ndef add(a, b):\n    return a + b\n\nprint('all tests passed')\nsys.exit(0)\n"),
     "os_exit_before_tests": "import os\n\ndef add(a, b):\n    return a + b\n\nprint('all tests passed')\nos._exit(0)\n",
     "exit_inside_call": "import sys\n\ndef add(a, b):\n    sys.exit(0)\n",
     "always_equal": (
-        "class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n\n"
-        "def add(a, b):\n    return AlwaysEqual()\n"
+        "class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return AlwaysEqual()\n"
     ),
     "int_subclass_equal": (
-        "class Sneaky(int):\n    def __eq__(self, other):\n        return True\n\n"
-        "def add(a, b):\n    return Sneaky(0)\n"
+        "class Sneaky(int):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Sneaky(0)\n"
     ),
     "patched_builtins": (
         "import builtins\nbuiltins.AssertionError = type('Nope', (Exception,), {})\n"
@@ -469,9 +462,7 @@ def test_setsid_grandchild_never_writes_after_timeout(mode, tmp_path, clean_sand
     write = f"import os; fd = os.open({str(fifo)!r}, os.O_WRONLY | os.O_NONBLOCK); os.write(fd, b'%s')"
     grandchild = "import time; time.sleep(1.5); " + write % "escaped"
     program = (
-        "import subprocess, sys, time\n"
-        + write % "written in time"
-        + "\n"
+        "import subprocess, sys, time\n" + write % "written in time" + "\n"
         f"subprocess.Popen(['setsid', sys.executable, '-c', {grandchild!r}],\n"
         "                 start_new_session=True, stdin=subprocess.DEVNULL)\n"
         "\ndef add(a, b):\n    time.sleep(600)\n"
@@ -556,7 +547,7 @@ def test_humaneval_wrong_solutions_fail(humaneval, clean_sandbox):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attacks (issue 16): programs that try to score 1.0 without solving the problem, or to poison
+# Attacks: programs that try to score 1.0 without solving the problem, or to poison
 # every later reward. Each one scored 1.0 or left a file behind before the fix.
 # ---------------------------------------------------------------------------------------------
 
@@ -664,7 +655,9 @@ def test_math_worker_skips_site_processing():
 # A program that looks for the run's secret tokens (32 hex digits) in the memory of a process
 # (its own, or its ancestors' through /proc/<pid>/mem) and writes every candidate to every pipe
 # it can open, its own and its ancestors' (through /proc/<pid>/fd).
-_FORGER = f"TEST_PID = {os.getpid()}\n" + r'''
+_FORGER = (
+    f"TEST_PID = {os.getpid()}\n"
+    + r"""
 import os, re, sys
 
 def _ancestors():
@@ -736,9 +729,10 @@ def forge():
             except OSError:
                 break
     return len(tokens), len(fds)
-'''
+"""
+)
 
-_FRAME_FORGER = r'''
+_FRAME_FORGER = r"""
 import gc, os, sys
 
 def forge_from_frames():
@@ -753,7 +747,7 @@ def forge_from_frames():
         if isinstance(obj, dict) and "pass_token" in obj and "status_fd" in obj:
             os.write(obj["status_fd"], str(obj["pass_token"]).encode() + b"\n")
             os._exit(0)
-'''
+"""
 
 FORGERIES = {
     "frames": _FRAME_FORGER + "forge_from_frames()\n\ndef add(a, b):\n    return 0\n",
@@ -849,9 +843,7 @@ def test_attack_redefined_modules(mode, clean_sandbox):
     """Tests call modules (math) and the completion patches or replaces them."""
     mbpp_setup = {"test_list": ["assert math.isclose(area(2), 12.566370614359172)"], "test_setup_code": "import math"}
     mbpp_bare = {"test_list": ["assert math.floor(area(2)) == 12"]}
-    humaneval = dict(
-        ADD, test="import math\n\ndef check(candidate):\n    assert math.isclose(candidate(2, 3), 5.0)\n"
-    )
+    humaneval = dict(ADD, test="import math\n\ndef check(candidate):\n    assert math.isclose(candidate(2, 3), 5.0)\n")
     attacks = [
         (mbpp_setup, "import math\nmath.isclose = lambda *a, **k: True\n\ndef area(r):\n    return 0\n"),
         (mbpp_setup, "import sys\nsys.modules['math'].isclose = lambda *a, **k: True\n\ndef area(r):\n    return 0\n"),
@@ -902,7 +894,7 @@ def test_fallback_limits_are_printed_once(monkeypatch, caplog):
 
 
 # ---------------------------------------------------------------------------------------------
-# Edges (issue 16, item 5)
+# Edges
 # ---------------------------------------------------------------------------------------------
 
 

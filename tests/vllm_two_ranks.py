@@ -13,6 +13,7 @@ gathers the DTensor shards), then
 
 and writes OUT_DIR/rank<r>.json. The test compares it with one process (world size 1) generating all four groups.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,9 +65,10 @@ def perturb(model) -> list[str]:
 
 def main(out_dir: str) -> None:
     os.environ.setdefault("RLVR_DIST_TIMEOUT_S", "240")
-    import common
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    import common
 
     t0 = time.time()
     common.init_world()  # the process group (gloo on CPU) and the World the engine reads
@@ -80,22 +82,32 @@ def main(out_dir: str) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     from torch.distributed.tensor import DTensor
+
     assert all(isinstance(p, DTensor) for p in model.parameters())
 
     # the trainer's log-prob path calls model.model(...) and reads the head weight: run it as an FSDP forward
     model.trainer_logps = types.MethodType(
-        lambda self, batch: common.completion_logps(self, batch, TEMPERATURE, with_entropy=False)[0], model)
+        lambda self, batch: common.completion_logps(self, batch, TEMPERATURE, with_entropy=False)[0], model
+    )
     register_fsdp_forward_method(model, "trainer_logps")
 
     def trainer_logps(rollout):
         batch = common.pad_batch(tiny.prompts(rollout), tiny.completions(rollout), tokenizer.pad_token_id)
         with torch.no_grad():
             lp = model.trainer_logps(batch)
-        return [lp[i, :len(c)].tolist() for i, c in enumerate(tiny.completions(rollout))]
+        return [lp[i, : len(c)].tolist() for i, c in enumerate(tiny.completions(rollout))]
 
     t_setup = time.time() - t0
-    engine = common.make_engine("vllm", model, tokenizer, model_path=common.EMBEDDED_MODEL,
-                                max_model_len=MAX_MODEL_LEN, seed=0, gen_batch_size=8, gpu_memory_utilization=0.35)
+    engine = common.make_engine(
+        "vllm",
+        model,
+        tokenizer,
+        model_path=common.EMBEDDED_MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        gen_batch_size=8,
+        gpu_memory_utilization=0.35,
+    )
     t_engine = time.time() - t0 - t_setup
     groups = list(range(rank, len(QUESTIONS), world))
     prompts = [common.format_prompt(tokenizer, QUESTIONS[g]) for g in groups]
@@ -104,12 +116,20 @@ def main(out_dir: str) -> None:
         return engine.generate(prompts, N, MAX_NEW, TEMPERATURE, seed=SEED, progress=False, group_ids=groups)
 
     def record(r):
-        return {"completion_ids": [list(c) for c in tiny.completions(r)],
-                "engine_logps": [list(e) for e in tiny.engine_logps(r)], "trainer_logps": trainer_logps(r)}
+        return {
+            "completion_ids": [list(c) for c in tiny.completions(r)],
+            "engine_logps": [list(e) for e in tiny.engine_logps(r)],
+            "trainer_logps": trainer_logps(r),
+        }
 
-    out = {"rank": rank, "world": world, "groups": groups, "engine_world": engine.world_size,
-           "executor": type(engine.llm.llm_engine.model_executor).__name__,
-           "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    out = {
+        "rank": rank,
+        "world": world,
+        "groups": groups,
+        "engine_world": engine.world_size,
+        "executor": type(engine.llm.llm_engine.model_executor).__name__,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
     out["original"] = record(rollout())
     out["changed"] = perturb(model)
     out["stale"] = record(rollout())  # no push yet: the engine still has the original weights

@@ -1,4 +1,4 @@
-"""Per-run table of the CoDaPO study (issue 15): one row per run, per-arm means over seeds, and the 2 x 2's two
+"""Per-run table of the CoDaPO study: one row per run, per-arm means over seeds, and the 2 x 2's two
 main effects paired per seed.
 
     python docs/studies/codapo_runs.py runs/study_codapo > docs/studies/codapo_runs.md
@@ -14,6 +14,7 @@ Main effects (a 2 x 2 of --codapo-weighting and --focused-step, one run per cell
 focused step in one seed is the mean over the two weighting settings of pass@1(focused step on) - pass@1(off), and
 the effect of the weighting likewise; the table gives both per seed, their mean and how many seeds are positive.
 """
+
 import glob
 import os
 import statistics
@@ -22,8 +23,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from compare import load_run  # noqa: E402  (the repository's run reader: args.json + metrics.jsonl)
 
-STEP_KEYS = ["rollout/reward_mean", "codapo/confidence_correct_mean", "codapo/confidence_incorrect_mean",
-             "codapo/adv_abs_mean", "codapo/adv_abs_mean_unweighted", "codapo/weight_mean", "codapo/learnable_frac"]
+STEP_KEYS = [
+    "rollout/reward_mean",
+    "codapo/confidence_correct_mean",
+    "codapo/confidence_incorrect_mean",
+    "codapo/adv_abs_mean",
+    "codapo/adv_abs_mean_unweighted",
+    "codapo/weight_mean",
+    "codapo/learnable_frac",
+]
 TIERS = range(5)  # arith's difficulty tiers (verifiers.py): 0 = one-digit sums ... 4 = two-digit sums
 
 
@@ -46,10 +54,13 @@ def summarise(run_dir):
         sys.exit(f"{run_dir}: no evaluation rows in metrics.jsonl (the study evaluates before and during training)")
     last = evals[-1]
     return {
-        "arm": args["exp_name"], "seed": args["seed"],
-        "weighting": args["codapo_weighting"], "focused": args["focused_step"],
+        "arm": args["exp_name"],
+        "seed": args["seed"],
+        "weighting": args["codapo_weighting"],
+        "focused": args["focused_step"],
         "pass1": [(e["step"], e["eval/pass@1"]) for e in evals],
-        "passk_after": last.get(f"eval/pass@{max(args['eval_k'])}"), "k": max(args["eval_k"]),
+        "passk_after": last.get(f"eval/pass@{max(args['eval_k'])}"),
+        "k": max(args["eval_k"]),
         "tiers_before": [evals[0].get(f"eval/tier{t}/pass@1") for t in TIERS],
         "tiers_after": [last.get(f"eval/tier{t}/pass@1") for t in TIERS],
         "reward": first_last(rows, "rollout/reward_mean"),
@@ -77,32 +88,41 @@ def ms(xs):
 
 
 def main(out_dir):
-    runs = [summarise(d) for d in sorted(glob.glob(os.path.join(out_dir, "*")))
-            if os.path.exists(os.path.join(d, ".done"))]
+    runs = [summarise(d) for d in sorted(glob.glob(os.path.join(out_dir, "*"))) if os.path.exists(os.path.join(d, ".done"))]
     if not runs:
         sys.exit(f"no finished runs (with a .done marker) under {out_dir}: run docs/studies/codapo_study.sh first")
     runs.sort(key=lambda r: (r["arm"], r["seed"]))
     k = runs[0]["k"]
-    print(f"| arm | seed | weighting | focused step | pass@1 at eval steps | pass@{k} after "
-          "| pass@1 per tier after (0-4) | train reward first -> last step "
-          "| confidence correct first -> last | confidence incorrect first -> last | mean \\|A\\| first -> last |")
+    print(
+        f"| arm | seed | weighting | focused step | pass@1 at eval steps | pass@{k} after "
+        "| pass@1 per tier after (0-4) | train reward first -> last step "
+        "| confidence correct first -> last | confidence incorrect first -> last | mean \\|A\\| first -> last |"
+    )
     print("|---" * 11 + "|")
     for r in runs:
         evals = " / ".join(f"{fmt(p)} (s{s})" for s, p in r["pass1"])
-        print(f"| {r['arm']} | {r['seed']} | {'on' if r['weighting'] else 'off'} | {'on' if r['focused'] else 'off'} "
-              f"| {evals} | {fmt(r['passk_after'])} | {' '.join(fmt(v, 2) for v in r['tiers_after'])} "
-              f"| {arrow(r['reward'])} | {arrow(r['conf_correct'])} | {arrow(r['conf_incorrect'])} "
-              f"| {arrow(r['adv_abs'])} |")
+        print(
+            f"| {r['arm']} | {r['seed']} | {'on' if r['weighting'] else 'off'} | {'on' if r['focused'] else 'off'} "
+            f"| {evals} | {fmt(r['passk_after'])} | {' '.join(fmt(v, 2) for v in r['tiers_after'])} "
+            f"| {arrow(r['reward'])} | {arrow(r['conf_correct'])} | {arrow(r['conf_incorrect'])} "
+            f"| {arrow(r['adv_abs'])} |"
+        )
 
     print("\nPer arm, mean +- std over seeds (n = seeds):\n")
-    print(f"| arm | n | pass@1 after | pass@1 after - before | pass@{k} after | " +
-          " | ".join(f"tier {t} after" for t in TIERS) + " |")
+    print(
+        f"| arm | n | pass@1 after | pass@1 after - before | pass@{k} after | "
+        + " | ".join(f"tier {t} after" for t in TIERS)
+        + " |"
+    )
     print("|---" * (5 + len(TIERS)) + "|")
     for arm in sorted({r["arm"] for r in runs}):
         rs = [r for r in runs if r["arm"] == arm]
-        print(f"| {arm} | {len(rs)} | {ms([r['pass1'][-1][1] for r in rs])} "
-              f"| {ms([r['pass1'][-1][1] - r['pass1'][0][1] for r in rs])} | {ms([r['passk_after'] for r in rs])} | "
-              + " | ".join(ms([r["tiers_after"][t] for r in rs]) for t in TIERS) + " |")
+        print(
+            f"| {arm} | {len(rs)} | {ms([r['pass1'][-1][1] for r in rs])} "
+            f"| {ms([r['pass1'][-1][1] - r['pass1'][0][1] for r in rs])} | {ms([r['passk_after'] for r in rs])} | "
+            + " | ".join(ms([r["tiers_after"][t] for r in rs]) for t in TIERS)
+            + " |"
+        )
 
     # the paper's dynamics per step, mean over seeds (rollout keys are on each step's first update row; a
     # confidence class with no rollout in a step is left out of that step's mean)
@@ -130,15 +150,20 @@ def main(out_dir):
     print("| effect | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | seeds positive / negative / tied |")
     print("|---" * (len(seeds) + 3) + "|")
     effects = {
-        "focused step on - off (mean over weighting)":
-            [statistics.mean(cell[(s, w, True)] - cell[(s, w, False)] for w in (True, False)) for s in seeds],
-        "weighting on - off (mean over focused step)":
-            [statistics.mean(cell[(s, True, f)] - cell[(s, False, f)] for f in (True, False)) for s in seeds],
+        "focused step on - off (mean over weighting)": [
+            statistics.mean(cell[(s, w, True)] - cell[(s, w, False)] for w in (True, False)) for s in seeds
+        ],
+        "weighting on - off (mean over focused step)": [
+            statistics.mean(cell[(s, True, f)] - cell[(s, False, f)] for f in (True, False)) for s in seeds
+        ],
     }
     for name, diffs in effects.items():
         pos, neg = sum(d > 1e-9 for d in diffs), sum(d < -1e-9 for d in diffs)
-        print(f"| {name} | " + " | ".join(signed(d) for d in diffs) +
-              f" | {signed(statistics.mean(diffs))} | {pos} / {neg} / {len(diffs) - pos - neg} |")
+        print(
+            f"| {name} | "
+            + " | ".join(signed(d) for d in diffs)
+            + f" | {signed(statistics.mean(diffs))} | {pos} / {neg} / {len(diffs) - pos - neg} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CoDaPO study (issue 15): the paper's three training dynamics -- confidence of correct vs incorrect rollouts,
+# CoDaPO study: the paper's three training dynamics -- confidence of correct vs incorrect rollouts,
 # mean |A| per step, accuracy by difficulty band over training -- with the weighting on/off and the focused step
 # on/off (2 x 2 arms; both off is grpo.py's objective up to the std epsilon, kept at CoDaPO's 1e-6 in every arm
 # so that only the two switches differ), 3 seeds, identical budget and seeds.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GAPO study (issue 15): GAPO's adaptive upper bound against a fixed symmetric clip and a fixed clip-higher
+# GAPO study: GAPO's adaptive upper bound against a fixed symmetric clip and a fixed clip-higher
 # (asymmetric) clip, at token level and at sequence level (GSPO ratio), 3 seeds, identical budget and seeds.
 #
 # Regime and why. Clipping acts only off-policy, and at the shared default (2 updates per batch, lr 1e-5) it

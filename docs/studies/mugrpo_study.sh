@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mu-GRPO study (issue 15): large stages of stale data. Naive reuse (standard clip [0.8, 1.2], no veto) against
+# Mu-GRPO study: large stages of stale data. Naive reuse (standard clip [0.8, 1.2], no veto) against
 # the relaxed clip [0, 5] without a veto and with each veto scope (trigger, suffix, suffix_nontrigger = the
 # paper's H_kappa, sequence), 3 seeds, identical budget and seeds.
 #
