@@ -420,9 +420,8 @@ def main(args: Args) -> None:
         seq_mean_logp = (old_logp * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B,) mean_t old_logp_it per rollout
         seq_mean_logp = world.share_rows(seq_mean_logp, rollout.rows)  # torchrun: every rank's rows, on every rank
         weights = codapo_weights(rewards, seq_mean_logp, G, args.codapo_offset)  # (P,) w_q = c_q * 4p(1-p) + offset
-        advantages = compute_advantages(
-            rewards, G, weights if args.codapo_weighting else None, args.codapo_std_eps
-        )  # (B,) A_i = w_q (r_i - mean) / (std + eps)
+        weighting = weights if args.codapo_weighting else None  # (P,), or None: w = 1 (--no-codapo-weighting)
+        advantages = compute_advantages(rewards, G, weighting, args.codapo_std_eps)  # (B,) w_q (r_i - mean) / (std + eps)
         p_q = success_rate(rewards, G)  # (P,) success rate per group
         codapo_metrics = {
             "codapo/weight_mean": weights.mean().item(),
@@ -432,12 +431,8 @@ def main(args: Args) -> None:
             "codapo/focused_step": float(focused),
             f"codapo/{'focused' if focused else 'broad'}_reward_mean": rewards.mean().item(),
         }
-        codapo_metrics |= codapo_dynamics(
-            rewards,
-            seq_mean_logp,
-            advantages,  # confidence by class, mean |A|
-            compute_advantages(rewards, G, None, args.codapo_std_eps),
-        )
+        unweighted = compute_advantages(rewards, G, None, args.codapo_std_eps)  # (B,) the same before w_q
+        codapo_metrics |= codapo_dynamics(rewards, seq_mean_logp, advantages, unweighted)  # confidence by class, mean |A|
         if not focused:  # broad step: pick what the next (focused) step re-rolls from the updated policy
             selected = select_for_resampling(rewards, weights, G, args.codapo_percentile)  # group ids, best first
             codapo_metrics["codapo/selected"] = len(selected)

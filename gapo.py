@@ -170,17 +170,15 @@ def compute_policy_loss(
         clip_low = ((r < lower) & (adv < 0)).to(mask.dtype) * units  # clipped branch active, grad 0
         clip_high = ((r > upper) & (adv > 0)).to(mask.dtype) * units
         n = units.sum().clamp(min=1.0)
+        k3 = ((torch.exp(log_ratio) - 1.0) - log_ratio) * mask  # (B, T) token-level k3 of KL(old || new), both levels
         stats = {
             "clipfrac": ((clip_low + clip_high).sum() / n).item(),  # per token (token level) / per sequence
             "clipfrac_low": (clip_low.sum() / n).item(),
             "clipfrac_high": (clip_high.sum() / n).item(),
-            "approx_kl": (((torch.exp(log_ratio) - 1.0) - log_ratio) * mask)
-            .sum()
-            .div(mask.sum().clamp(min=1.0))
-            .item(),  # token-level k3 of KL(old || new) at both levels
-            "rows": {
+            "approx_kl": (k3.sum() / mask.sum().clamp(min=1.0)).item(),
+            "rows": {  # (B,) each
                 "clipped": (clip_low + clip_high).sum(1).cpu(),
-                "units": units.sum(1).cpu(),  # (B,) each
+                "units": units.sum(1).cpu(),
                 "abs_dev": ((r - 1.0).abs() * units).sum(1).cpu(),
             },
         }
