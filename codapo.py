@@ -290,30 +290,30 @@ def main(args: Args) -> None:
     resume = common.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
     run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
+    # the tasks: data and scoring, gold answers checked (verifiers.py)
     q_field, a_field = args.question_field or None, args.answer_field or None
-    train_task = (
-        None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, q_field, a_field, reward=args.reward)
-    )
-    eval_tasks = verifiers.load_eval_tasks(
-        args.eval_dataset, args.dataset, args.seed, q_field, a_field, args.reward, args.eval_limit
-    )
+    task_args = dict(question_field=q_field, answer_field=a_field, reward=args.reward, answer_format=args.answer_format)
+    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, **task_args)
+    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **task_args)
     tokenizer = common.load_tokenizer(model_path)
-    # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
-    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     eval_prompts = [
         [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
         for t in eval_tasks
     ]  # one list of prompts per eval set
-    # the engine's context: the longest evaluation prompt, a margin for training prompts of the same task, the completion
-    max_prompt_len = max(len(p) for ps in eval_prompts for p in ps) + 64
+    # the longest prompt + --max-new-tokens, checked against the model's context before the weights load
+    max_model_len = common.context_length(
+        model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
+    )
+    # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
+    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
+    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
+    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     engine = common.make_engine(
         args.engine,
         model,
         tokenizer,
         model_path=model_path,
-        max_model_len=max_prompt_len + args.max_new_tokens,
+        max_model_len=max_model_len,
         seed=args.seed,
         gen_batch_size=args.gen_batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -150,6 +150,10 @@ def autocast_context(model):
 
 def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
     """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
+    return tokenizer(prompt_text(tokenizer, question, instruction, system_prompt), add_special_tokens=False)["input_ids"]
+
+
+def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> str:
     content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": content}
@@ -158,7 +162,7 @@ def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:  # base models without a template: plain text prompt
         text = (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text
 
 
 class PromptSampler:
@@ -938,6 +942,11 @@ class Args:
     )
     question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
     answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
+    answer_format: Literal["auto", "gsm8k", "boxed", "raw"] = arg(
+        "auto",
+        "how the gold answer is read from the answer field: gsm8k (after the last '#### ', as in GSM8K), boxed "
+        "(the last \\boxed{} of a solution), raw (the field as it is); auto: the registry's, else detected row by row",
+    )
     reward: str = arg(
         "auto",
         "reward: auto (from the dataset), arith (last number or boxed), math (boxed, math-verify), code, "
@@ -1006,7 +1015,11 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ),
     ("total_steps", lambda v: v >= 1, "must be >= 1 (number of rollout batches)"),
     ("prompts_per_step", lambda v: v >= 1, "must be >= 1 (prompts per rollout batch)"),
-    ("num_generations", lambda v: v >= 1, "must be >= 1 (rollouts per prompt; group-relative advantages need >= 2)"),
+    (
+        "num_generations",
+        lambda v: v >= 2,
+        "must be >= 2 (with one rollout per prompt every group-relative advantage is 0, so no update would move the model)",
+    ),
     ("max_new_tokens", lambda v: v >= 1, "must be >= 1 (maximum completion length)"),
     ("temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (the trainer divides logits by it)"),
     ("learning_rate", lambda v: _is_num(v) and v > 0, "must be > 0"),
@@ -1299,6 +1312,27 @@ def setup(args) -> tuple[World, torch.device]:
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
     seed_everything(args.seed)
     return w, device
+
+
+def context_length(model_path: str, tokenizer, train_task, eval_prompts, system_prompt: str, max_new_tokens: int) -> int:
+    """The engine's context: the longest prompt of training and evaluation plus --max-new-tokens, checked against the
+    model's context (max_position_embeddings in its config) before the weights load; one UserError line if too long."""
+    from transformers import AutoConfig
+
+    longest = max((len(p) for prompts in eval_prompts for p in prompts), default=0)
+    if train_task is not None and train_task.problems:  # every training prompt, tokenized in one batch
+        texts = [
+            prompt_text(tokenizer, p["question"], train_task.instruction, system_prompt or None) for p in train_task.problems
+        ]
+        longest = max(longest, max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"])))
+    context = getattr(_from_pretrained(AutoConfig, model_path), "max_position_embeddings", None)
+    if context is not None and longest + max_new_tokens > context:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus {max_new_tokens} "
+            f"new tokens exceed the model's context of {context} tokens (max_position_embeddings in its "
+            f"config.json); lower --max-new-tokens to at most {max(context - longest, 0)}"
+        )
+    return longest + max_new_tokens
 
 
 def pick_device() -> torch.device:
@@ -2163,11 +2197,15 @@ def print_summary(title: str, before: dict | None, after: dict | None, timers: d
         if k.startswith("eval/") and k.split("/")[-1].startswith("pass@") and not is_tier_key(k)
     ]  # per-tier keys stay in metrics.jsonl
     per_set = [k for k in keys if k.count("/") == 2]  # a suite: eval/<set>/pass@k (eval/pass@k repeats the first)
+    width = max(14, max(map(len, per_set or keys), default=0))
     for key in per_set or sorted(keys):
         b = before.get(key) if before else None
         a = after.get(key) if after else None
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
-        print(f"{key:{max(14, max(map(len, per_set or keys)))}s} before {fmt(b)}  after {fmt(a)}")
+        if before is None:  # an evaluation alone: one value per metric
+            print(f"{key:{width}s} {fmt(a)}")
+        else:
+            print(f"{key:{width}s} before {fmt(b)}  after {fmt(a)}")
     print(
         f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)" for k, v in timers.items())
     )

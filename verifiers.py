@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class Task:
     problems: list[dict]
     instruction: str
     custom_reward: CustomReward | None = None  # kind "custom": the user's --reward module:function
+    where: list[str] = field(default_factory=list)  # where problem i comes from (`file:line`), for messages
 
 
 def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[str]) -> list[float]:
@@ -136,15 +137,19 @@ def load_task(
     answer_field: str | None = None,
     holdout: int = HOLDOUT,
     reward: str = "auto",
+    answer_format: str = "auto",
 ) -> Task:
     """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
 
     Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
     "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind;
     `module:function` or `path.py:function` is the user's own `fn(completion, problem) -> float` (kind "custom",
-    loaded and checked here, before any model is loaded)."""
+    loaded and checked here, before any model is loaded). `answer_format` (auto|gsm8k|boxed|raw) says how the gold
+    answer is read from the answer field (read_answer). The gold answers of a math or arith task are checked here
+    (check_golds): a row whose gold can never be matched is dropped with a warning, a dataset where most are is
+    refused."""
     custom = load_custom_reward(reward) if reward not in BUILTIN_REWARDS else None
-    task = _load_task(name, split, seed, question_field, answer_field, holdout)
+    task = _load_task(name, split, seed, question_field, answer_field, holdout, answer_format)
     if custom is not None:  # the dataset's instruction (answer format) stays; the user's function scores
         task.kind, task.custom_reward = "custom", custom
         return task
@@ -153,6 +158,8 @@ def load_task(
             raise UserError(f"--reward {reward} does not fit dataset {name} (its problems are {task.kind} problems)")
         task.kind = reward
         task.instruction = INSTRUCTIONS[reward]
+    if task.kind in ("math", "arith") and name != "arith":
+        check_golds(task, answer_format)
     return task
 
 
@@ -160,10 +167,11 @@ def load_eval_tasks(
     names: Sequence[str],
     default: str,
     seed: int,
-    question_field: str | None,
-    answer_field: str | None,
-    reward: str,
-    limit: int,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    reward: str = "auto",
+    limit: int = 0,
+    answer_format: str = "auto",
 ) -> list[Task]:
     """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
     `limit` problems (0: all). Two sets with the same label are one error."""
@@ -176,9 +184,9 @@ def load_eval_tasks(
                 "give each evaluation set once (rename a local file if two share a name)"
             )
         seen[label] = name
-        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward)
+        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward, answer_format=answer_format)
         if limit:
-            task.problems = task.problems[:limit]
+            task.problems, task.where = task.problems[:limit], task.where[:limit]
         tasks.append(task)
     return tasks
 
@@ -194,7 +202,15 @@ def eval_set_label(name: str) -> str:
     return base or name
 
 
-def _load_task(name: str, split: str, seed: int, question_field: str | None, answer_field: str | None, holdout: int) -> Task:
+def _load_task(
+    name: str,
+    split: str,
+    seed: int,
+    question_field: str | None,
+    answer_field: str | None,
+    holdout: int,
+    answer_format: str,
+) -> Task:
     if name == "arith":
         test = arith_problems(holdout, seed=ARITH_EVAL_SEED_OFFSET + seed)
         if split == "eval":
@@ -214,21 +230,22 @@ def _load_task(name: str, split: str, seed: int, question_field: str | None, ans
             raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass --eval-dataset {name}")
         carve = hub_split is None
         rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
-        kind, transform = info["kind"], info.get("transform")
+        kind = info["kind"]
+        answer_format = info.get("answer_format", "auto") if answer_format == "auto" else answer_format
     else:
         q_field, a_field = question_field or "question", answer_field or "answer"
         rows = _load_rows(name, None, "train")
-        carve, kind, transform = True, "math", None
+        carve, kind = True, "math"
         if rows and any(k in rows[0] for k in ("test_list", "entry_point")) and a_field not in rows[0]:
             kind = "code"
-    problems = _rows_to_problems(rows, kind, q_field, a_field, transform, name)
+    problems, where = _rows_to_problems(rows, kind, q_field, a_field, answer_format, name)
     if carve:  # seeded hold-out, disjoint from training
         order = list(range(len(problems)))
         random.Random(HOLDOUT_SHUFFLE_SEED).shuffle(order)
         n_hold = min(holdout, max(1, len(problems) // 5))
         chosen = sorted(order[:n_hold]) if split == "eval" else sorted(order[n_hold:])
-        problems = [problems[i] for i in chosen]
-    return Task(name, kind, problems, INSTRUCTIONS[kind])
+        problems, where = [problems[i] for i in chosen], [where[i] for i in chosen]
+    return Task(name, kind, problems, INSTRUCTIONS[kind], where=where)
 
 
 # ----- the built-in arithmetic task
@@ -276,7 +293,7 @@ def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[d
 
 # ----- datasets: the registry, local files and the hub
 
-# name -> (hub id, config, train split, eval split, question field, answer field, kind, answer transform)
+# name -> (hub id, config, train split, eval split, question field, answer field, kind, answer format if not auto)
 HUB_DATASETS: dict[str, dict] = {
     "gsm8k": dict(
         path="openai/gsm8k",
@@ -286,7 +303,7 @@ HUB_DATASETS: dict[str, dict] = {
         q="question",
         a="answer",
         kind="math",
-        transform="gsm8k",
+        answer_format="gsm8k",
     ),
     "math": dict(
         path="DigitalLearningGmbH/MATH-lighteval",
@@ -296,7 +313,7 @@ HUB_DATASETS: dict[str, dict] = {
         q="problem",
         a="solution",
         kind="math",
-        transform="boxed",
+        answer_format="boxed",
     ),
     "math500": dict(path="HuggingFaceH4/MATH-500", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
     "dapo17k": dict(
@@ -319,7 +336,6 @@ HUB_DATASETS: dict[str, dict] = {
         q="problem",
         a="solution",
         kind="math",
-        transform="boxed_or_raw",
     ),
     "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
     "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
@@ -336,16 +352,32 @@ HUB_DATASETS: dict[str, dict] = {
 BUILTIN_DATASETS = ("arith", "humaneval")
 
 
-def _transform_answer(raw: Any, how: str | None) -> str | None:
+ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "raw")
+_FORMAT_NAMES = {
+    "gsm8k": "GSM8K solutions ending in '#### N'",
+    "boxed": "solutions whose last \\boxed{} is the answer",
+    "raw": "plain values",
+}
+
+
+def answer_format_of(text: str) -> str:
+    """The format a gold-answer field looks like: gsm8k (a '#### N' line), boxed (a \\boxed{}), else raw."""
+    return "gsm8k" if "####" in text else "boxed" if "\\boxed" in text else "raw"
+
+
+def read_answer(raw: Any, answer_format: str) -> tuple[str | None, str]:
+    """(gold answer, format used) of an answer field. gsm8k: the text after the last '####', commas removed
+    (GSM8K's '#### 1,234' is 1234); boxed: the content of the last \\boxed{}; raw: the text; auto: the format the
+    field looks like (answer_format_of), row by row. None when the field holds no answer in that format."""
     if raw is None:
-        return None
-    if how == "gsm8k":
-        return str(raw).split("####")[-1].strip().replace(",", "")
-    if how == "boxed":
-        return extract_boxed(str(raw))
-    if how == "boxed_or_raw":
-        return extract_boxed(str(raw)) or str(raw).strip()
-    return str(raw).strip()
+        return None, answer_format
+    text = str(raw)
+    fmt = answer_format_of(text) if answer_format == "auto" else answer_format
+    if fmt == "gsm8k":
+        return (text.split("####")[-1].strip().replace(",", "") if "####" in text else None), fmt
+    if fmt == "boxed":
+        return extract_boxed(text), fmt
+    return text.strip(), fmt
 
 
 def _check_fields(rows, needed: Sequence[str], source: str) -> None:
@@ -475,7 +507,10 @@ def _load_rows(path: str, config: str | None, split: str | None):
     return list(ds)
 
 
-def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: str | None, source: str) -> list[dict]:
+def _rows_to_problems(
+    rows, kind: str, q_field: str, a_field: str, answer_format: str, source: str
+) -> tuple[list[dict], list[str]]:
+    """The problems of a dataset's rows and where each comes from (`file:line` for a local .jsonl)."""
     if kind == "code":
         problems = []
         for i, row in enumerate(rows):
@@ -491,9 +526,9 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
                     f"test, entry_point), MBPP fields (text, test_list) or stdin/stdout fields (inputs, "
                     f"outputs); this row's fields are {list(row.keys())}"
                 )
-        return problems
+        return problems, [_row_place(rows, i, source) for i in range(len(rows))]
     _check_fields(rows, [q_field, a_field], source)
-    problems, skipped = [], []
+    problems, where, skipped, formats = [], [], [], {}
     for i, row in enumerate(rows):
         missing = [f for f in (q_field, a_field) if f not in row]
         if missing:
@@ -501,21 +536,84 @@ def _rows_to_problems(rows, kind: str, q_field: str, a_field: str, transform: st
                 f"{_row_place(rows, i, source)}: row has no field {missing[0]!r}; its fields are "
                 f"{list(row.keys())} (every row needs {q_field!r} and {a_field!r})"
             )
-        answer = _transform_answer(row[a_field], transform)
+        answer, fmt = read_answer(row[a_field], answer_format)
         if answer is None or row[q_field] is None or str(row[q_field]).strip() == "":
             skipped.append(i)
             continue
+        formats[fmt] = formats.get(fmt, 0) + 1
         # the row's other fields ride along (a custom reward sees them in `problem`); question/answer normalised
         problems.append({**row, "question": str(row[q_field]), "answer": answer})
+        where.append(_row_place(rows, i, source))
+    if len(skipped) > len(rows) / 2 and answer_format != "auto":
+        looks = answer_format_of(str(rows[skipped[0]].get(a_field)))
+        raise UserError(
+            f"dataset {source}: {len(skipped)} of {len(rows)} rows have no answer in --answer-format {answer_format} "
+            f"(first: {_row_place(rows, skipped[0], source)}); their {a_field!r} fields look like {_FORMAT_NAMES[looks]}: "
+            f"pass --answer-format {looks} (or auto)"
+        )
     if not problems:
         raise UserError(f"dataset {source}: no row had a usable question and answer (fields {q_field!r}, {a_field!r})")
+    _note_answer_formats(source, formats, answer_format)
     if skipped:
         print(
             f"warning: dataset {source}: skipped {len(skipped)} of {len(rows)} rows with an empty question or no "
             f"usable answer (first: {_row_place(rows, skipped[0], source)})",
             file=sys.stderr,
         )
-    return problems
+    return problems, where
+
+
+_NOTED_FORMATS: set[tuple[str, str]] = set()  # (dataset, flag value) whose answer format was printed
+
+
+def _note_answer_formats(source: str, formats: dict[str, int], answer_format: str) -> None:
+    """One line per dataset (train and eval splits load it twice): how its gold answers were read."""
+    if (source, answer_format) in _NOTED_FORMATS:
+        return
+    _NOTED_FORMATS.add((source, answer_format))
+    counts = ", ".join(f"{fmt} ({_FORMAT_NAMES[fmt]}) in {n}" for fmt, n in sorted(formats.items(), key=lambda x: -x[1]))
+    how = "detected" if answer_format == "auto" else "--answer-format"
+    print(
+        f"dataset {source}: gold answers read as {counts} of {sum(formats.values())} rows ({how}; "
+        "force one with --answer-format gsm8k|boxed|raw)",
+        flush=True,
+    )
+
+
+def check_golds(task: Task, answer_format: str = "auto") -> None:
+    """Every gold answer of a math task parsed once by math-verify (in the math workers, bounded in time), of an
+    arith task searched for its number. A gold that cannot be parsed makes every completion score 0: such rows are
+    dropped with one warning (count and the first `file:line`); when most rows are, the dataset is refused with one
+    line that says what the answers look like and which flag fixes it."""
+    answers = [p["answer"] for p in task.problems]
+    if task.kind == "math":
+        parses = math_golds_parse(answers)
+    else:
+        parses = [_last_number(str(a)) is not None for a in answers]
+    bad = [i for i, ok in enumerate(parses) if not ok]
+    if not bad:
+        return
+    where = task.where or [f"problem {i + 1}" for i in range(len(answers))]
+    first = f"{where[bad[0]]}: {answers[bad[0]][:60]!r}"
+    what = "math-verify cannot parse it" if task.kind == "math" else "it holds no number"
+    if len(bad) > len(answers) / 2:
+        looks = answer_format_of(answers[bad[0]])
+        if looks != "raw":
+            fix = f"they look like {_FORMAT_NAMES[looks]}: pass --answer-format {looks}"
+        else:
+            fix = "pass --answer-field naming the field with the final answer, or your own --reward module:function"
+        raise UserError(
+            f"dataset {task.name}: {len(bad)} of {len(answers)} gold answers can never be matched ({what}; "
+            f"first: {first}); {fix}"
+        )
+    print(
+        f"warning: dataset {task.name}: dropped {len(bad)} of {len(answers)} rows whose gold answer can never be "
+        f"matched ({what}; first: {first})",
+        file=sys.stderr,
+    )
+    keep = [i for i in range(len(answers)) if parses[i]]
+    task.problems = [task.problems[i] for i in keep]
+    task.where = [where[i] for i in keep]
 
 
 _HUB_REACHABLE: bool | None = None
@@ -818,9 +916,17 @@ def _math_verify_pair(gold_latex: str, pred_latex: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=_MATH_VERIFY_ALARM_S))
 
 
+def _math_gold_parses(gold_latex: str) -> bool:
+    """Does the gold parse as _math_verify_pair parses it? (No prediction can match a gold that does not.)"""
+    from math_verify import LatexExtractionConfig, parse
+
+    return bool(parse(gold_latex, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+                      fallback_mode="no_fallback", parsing_timeout=_MATH_PARSE_ALARM_S))
+
+
 def _math_worker_main() -> None:
-    """Loop of a math worker process: one JSON request `[id, gold, pred]` per stdin line, one
-    `id 0|1` line back. Exits at end of input (the parent closed the pipe or died)."""
+    """Loop of a math worker process: one JSON request `[id, gold, pred]` per stdin line (pred null: does the gold
+    parse?), one `id 0|1` line back. Exits at end of input (the parent closed the pipe or died)."""
     import resource
 
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
@@ -839,7 +945,7 @@ def _math_worker_main() -> None:
         except ValueError:
             continue
         try:
-            ok = _math_verify_pair(gold, pred)
+            ok = _math_gold_parses(gold) if pred is None else _math_verify_pair(gold, pred)
         except BaseException:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
             ok = False
         replies.write(f"{request_id} {int(ok)}\n".encode())
@@ -899,7 +1005,7 @@ class _MathWorker:
         line, self.pending = self.pending.split(b"\n", 1)
         return line
 
-    def ask(self, gold_latex: str, pred_latex: str, timeout: float) -> bool:
+    def ask(self, gold_latex: str, pred_latex: str | None, timeout: float) -> bool:
         """Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
         if not self.ready:
             if self._read_line(self.STARTUP_TIMEOUT_S) != b"ready":
@@ -993,7 +1099,6 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"math_reward: timeout must be a positive number of seconds, got {timeout!r}")
     deadline = time.monotonic() + timeout  # infinite for timeout=inf
-    worker = None
     try:
         if not isinstance(completion, str) or answer is None:
             return 0.0
@@ -1006,30 +1111,54 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
         gold = _gold_latex(answer)
         if gold != answer.strip() and _squash(content) == _squash(answer):
             return 1.0  # the prediction is written exactly as the (bare) gold
+        return 1.0 if _ask_math_worker(gold, "\\boxed{" + content + "}", timeout, deadline) else 0.0
+    except Exception:  # noqa: BLE001 - a reward never raises
+        log.debug("math_reward scored 0.0 after an error", exc_info=True)
+        return 0.0
+
+
+def _ask_math_worker(gold_latex: str, pred_latex: str | None, timeout: float, deadline: float) -> bool:
+    """One request to a free math worker (at most one busy worker per core), answered by `deadline`; False when
+    none is free in time, it times out (killed and replaced) or fails. Never raises."""
+    worker = None
+    try:
         slots = _math_slots
         if not slots.acquire(timeout=min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)):
-            log.warning("math_reward: no free math worker within %.1f s, scored 0.0", timeout)
-            return 0.0
+            log.warning("math worker: none free within %.1f s, answered False", timeout)
+            return False
         try:
             worker = _borrow_math_worker()
-            ok = worker.ask(gold, "\\boxed{" + content + "}", max(deadline - time.monotonic(), 1e-3))
+            ok = worker.ask(gold_latex, pred_latex, max(deadline - time.monotonic(), 1e-3))
             _return_math_worker(worker)
             worker = None
         finally:
             slots.release()
-        return 1.0 if ok else 0.0
+        return ok
     except TimeoutError:
-        log.info("math_reward timed out after %.1f s, scored 0.0; worker replaced", timeout)
-        return 0.0
+        log.info("math worker timed out after %.1f s, answered False; worker replaced", timeout)
+        return False
     except (EOFError, OSError) as exc:
-        log.warning("math worker failed, scored 0.0: %r", exc)
-        return 0.0
-    except Exception:  # noqa: BLE001 - a reward never raises
-        log.debug("math_reward scored 0.0 after an error", exc_info=True)
-        return 0.0
+        log.warning("math worker failed, answered False: %r", exc)
+        return False
+    except Exception:  # noqa: BLE001 - never raises
+        log.debug("math worker request failed", exc_info=True)
+        return False
     finally:
         if worker is not None:  # timed out, died or interrupted mid-request: never reuse it
             worker.close()
+
+
+def math_golds_parse(answers: list[str], workers: int | None = None, timeout: float = MATH_TIMEOUT_S) -> list[bool]:
+    """For each gold answer: does math-verify parse it as math_reward parses a gold (else every prediction scores
+    0)? Concurrent in the math workers, `timeout` per answer, in order."""
+
+    def one(answer: str) -> bool:
+        answer = str(answer).strip()
+        return bool(answer) and _ask_math_worker(_gold_latex(answer), None, timeout, time.monotonic() + timeout)
+
+    workers = max(1, min(workers or _num_cores(), len(answers) or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(one, answers))
 
 
 def math_rewards_batch(

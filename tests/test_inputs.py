@@ -69,7 +69,7 @@ def files(tmp_path_factory):
 
 # (flags, text the one error line must contain)
 COMMON_CASES = [
-    (["--num-generations", "0"], "--num-generations 0: must be >= 1"),
+    (["--num-generations", "0"], "--num-generations 0: must be >= 2"),
     (["--prompts-per-step", "0"], "--prompts-per-step 0: must be >= 1"),
     (["--updates-per-batch", "0"], "--updates-per-batch"),
     (["--temperature", "0"], "--temperature 0.0: must be > 0"),
