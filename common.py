@@ -90,7 +90,8 @@ def load_model(
     trainable: bool = True,
     compute_dtype: torch.dtype | None | str = "auto",
 ):
-    """Causal LM on `device`. `compute_dtype` ("auto": bf16 on CUDA, None on CPU) is the autocast dtype of its
+    """Causal LM on `device`. `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU;
+    or a torch dtype) is the autocast dtype of its
     forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
 
     trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
@@ -129,10 +130,12 @@ def load_model(
 def model_dtypes(
     device: torch.device, trainable: bool = True, compute_dtype: torch.dtype | None | str = "auto"
 ) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16
-    compute for the policy, bf16 weights for the frozen reference; CPU: fp32 and no autocast."""
-    if compute_dtype == "auto":
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else None
+    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16 (or,
+    for "fp16", fp16) compute for the policy, weights in the compute dtype for the frozen reference; CPU: fp32 and no
+    autocast ("auto", "bf16" and "fp16" name the CUDA compute dtype)."""
+    if compute_dtype in ("auto", "bf16", "fp16"):
+        cuda_dtype = torch.float16 if compute_dtype == "fp16" else torch.bfloat16
+        compute_dtype = cuda_dtype if device.type == "cuda" else None
     return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
 
 
@@ -472,13 +475,14 @@ def make_engine(
     gen_batch_size: int,
     gpu_memory_utilization: float,
     return_logps: bool = False,
+    dtype: str = "bf16",
 ):
     """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
-    `return_logps` asks the HF engine for them too."""
+    `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return VLLMEngine.colocated(
-            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization
+            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization, dtype
         )
     return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
 
@@ -724,6 +728,142 @@ def accumulation_weight(
     return micro_rows / max(minibatch_rows, 1)  # sequence means and the constant Dr. GRPO normaliser
 
 
+# ----- the engine against the trainer: importance weights for the rollout mismatch, and a stale-engine check
+
+ROLLOUT_IS_CAP = {"token-tis": 2.0, "seq-mask": 3.0}  # the standard C of --rollout-is-cap 0 (verl/oat; TRL)
+ICEPOP_BAND = (0.5, 5.0)  # icepop keeps rho_t inside [0.5, 5] (verl's decoupled_token_icepop)
+MISMATCH_BAND = (0.5, 2.0)  # mismatch/rho_out_frac: tokens with rho_t outside it
+
+
+def rollout_is_weights(mode: str, log_rho: torch.Tensor, mask: torch.Tensor, cap: float = 0.0) -> torch.Tensor | None:
+    """Detached importance weights (b, T) of the rollout correction, rho_t = pi_old(o_t) / mu(o_t) with mu the
+    engine's probability: log_rho, mask (b, T). None for mode "none" (no correction).
+      token-tis  w_t = min(rho_t, C)                                        (C = --rollout-is-cap, default 2)
+      seq-mask   w_t = rho_seq = exp(sum_t log rho_t) if rho_seq <= C, else 0 for the whole sequence (C default 3)
+      icepop     w_t = rho_t if 0.5 <= rho_t <= 5, else 0"""
+    if mode == "none":
+        return None
+    log_rho = log_rho.detach() * mask
+    if mode == "token-tis":
+        w = torch.exp(log_rho.clamp(max=math.log(cap or ROLLOUT_IS_CAP[mode])))  # min(rho, C), in log space
+    elif mode == "seq-mask":
+        log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # (b, 1) log rho_seq, compared in log space (no overflow)
+        limit = math.log(cap or ROLLOUT_IS_CAP[mode])
+        keep = log_rho_seq <= limit
+        w = torch.where(keep, torch.exp(log_rho_seq.clamp(max=limit)), 0.0).expand_as(mask)
+    elif mode == "icepop":
+        lo, hi = ICEPOP_BAND
+        w = torch.where((log_rho >= math.log(lo)) & (log_rho <= math.log(hi)), torch.exp(log_rho), 0.0)
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}")
+    return w * mask
+
+
+class Mismatch:
+    """The engine's sampling log-probs mu against the trainer's old log-probs pi_old, row by row as the update loop
+    meets them (every row once per step, with the pi_old it is trained against). Holds the engine log-probs as
+    (B, T) like the mask (rows of this process); inert when the engine returned none. `weights(rows, old, mask)`
+    gives the correction's importance weights (or None) and accumulates the raw statistics; `check_once(step)`
+    stops the run at the first mini-batch of a step whose engine is not sampling from the trainer's weights;
+    `metrics()` gives the mismatch/ and rollout_is/ keys (several processes: summed over the ranks)."""
+
+    def __init__(self, rollout, mask: torch.Tensor, mode: str = "none", cap: float = 0.0, max_diff: float = 0.0):
+        self.mode, self.cap, self.max_diff, self.checked = mode, cap, max_diff, False
+        self.engine = None
+        if rollout.has_engine_logps:  # (B, T): row-major boolean indexing visits each row's tokens in packed order
+            held = torch.zeros(mask.shape[0], dtype=torch.bool)
+            held[rollout.rows] = True
+            self.engine = torch.zeros_like(mask)
+            self.engine[mask.bool() & held.unsqueeze(1)] = rollout.engine_logps_flat().to(mask.dtype)
+        self.sums = dict.fromkeys(
+            ("tokens", "abs", "k3", "out", "seqs", "seq_gmean", "w_changed", "w_zeroed", "w_sum", "seq_changed", "seq_zeroed"),
+            0.0,
+        )
+        self.abs_max, self.seq_min, self.seq_max = 0.0, math.inf, -math.inf
+
+    @property
+    def available(self) -> bool:  # the engine returned log-probs
+        return self.engine is not None
+
+    def log_rho(self, rows, old: torch.Tensor) -> torch.Tensor | None:
+        """(b, T_m) log rho = old - engine log-prob of `rows`, None without engine log-probs."""
+        if self.engine is None:
+            return None
+        return old.detach() - self.engine[rows, : old.shape[1]].to(old.device)
+
+    def weights(self, rows, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        log_rho = self.log_rho(rows, old)
+        if log_rho is None:
+            return None
+        mask = mask.to(log_rho.dtype)
+        w = rollout_is_weights(self.mode, log_rho, mask, self.cap)
+        with torch.no_grad():
+            lr, rho, n_tok = log_rho * mask, torch.exp(log_rho) * mask, mask.sum(1)  # (b, T), (b, T), (b,)
+            real = n_tok > 0
+            lo, hi = MISMATCH_BAND
+            gmean = torch.exp(lr.sum(1)[real] / n_tok[real])  # (b',) per-sequence geometric mean of rho
+            self.sums["tokens"] += mask.sum().item()
+            self.sums["abs"] += lr.abs().sum().item()
+            self.sums["k3"] += ((rho - 1.0 - lr) * mask).sum().item()  # k3 of KL(mu || pi_old), samples from mu
+            self.sums["out"] += (((lr < math.log(lo)) | (lr > math.log(hi))) & mask.bool()).sum().item()
+            self.sums["seqs"] += float(real.sum())
+            self.sums["seq_gmean"] += gmean.sum().item()
+            self.abs_max = max(self.abs_max, lr.abs().max().item() if lr.numel() else 0.0)
+            if gmean.numel():
+                self.seq_min, self.seq_max = min(self.seq_min, gmean.min().item()), max(self.seq_max, gmean.max().item())
+            if w is not None:
+                changed, zeroed = (w != mask) & mask.bool(), (w == 0) & mask.bool()  # (b, T)
+                self.sums["w_changed"] += changed.sum().item()
+                self.sums["w_zeroed"] += zeroed.sum().item()
+                self.sums["w_sum"] += w.sum().item()
+                self.sums["seq_changed"] += (changed.any(1) & real).sum().item()
+                self.sums["seq_zeroed"] += ((zeroed | ~mask.bool()).all(1) & real).sum().item()
+        return w
+
+    def check_once(self, step: int) -> None:
+        """After the step's first mini-batch: RunError on every rank when the mean |log rho| of its tokens exceeds
+        --max-engine-logp-diff (the engine kept old weights: a push that did not land). Later calls do nothing."""
+        if self.checked or self.engine is None or self.max_diff <= 0:
+            return
+        self.checked = True
+        seen = world().sum({"abs": self.sums["abs"], "tokens": self.sums["tokens"]})  # torchrun: every rank's tokens
+        mean = seen["abs"] / max(seen["tokens"], 1.0)
+        if mean > self.max_diff:
+            error = RunError(
+                f"the rollout engine is not sampling from the trainer's weights: mean |engine - trainer "
+                f"log-prob| {mean:.3g} nats > --max-engine-logp-diff {self.max_diff:g} at step {step} "
+                "(a weight push that did not land?)"
+            )
+            error.on_every_rank = True
+            raise error
+
+    def metrics(self) -> dict:
+        if self.engine is None or not bool(world().max(float(self.sums["tokens"] > 0))):
+            return {}
+        s = world().sum(self.sums)
+        abs_max, seq_max = world().max(self.abs_max), world().max(self.seq_max)
+        seq_min = -world().max(-self.seq_min)
+        n, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
+        out = {
+            "mismatch/abs_log_rho_mean": s["abs"] / n,
+            "mismatch/abs_log_rho_max": abs_max,
+            "mismatch/kl_k3": s["k3"] / n,
+            "mismatch/rho_out_frac": s["out"] / n,
+            "mismatch/seq_rho_gmean_min": seq_min,
+            "mismatch/seq_rho_gmean_mean": s["seq_gmean"] / seqs,
+            "mismatch/seq_rho_gmean_max": seq_max,
+        }
+        if self.mode != "none":
+            out |= {
+                "rollout_is/token_changed_frac": s["w_changed"] / n,
+                "rollout_is/token_zeroed_frac": s["w_zeroed"] / n,
+                "rollout_is/seq_changed_frac": s["seq_changed"] / seqs,
+                "rollout_is/seq_zeroed_frac": s["seq_zeroed"] / seqs,
+                "rollout_is/weight_mean": s["w_sum"] / n,
+            }
+        return out
+
+
 # ----- the optimizer and gradient clipping
 
 
@@ -761,6 +901,48 @@ def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
         )
         error.on_every_rank = True
         raise error
+
+
+class LossScale:
+    """The update after the micro-batches' backward passes. --dtype fp16: dynamic loss scaling (torch.amp.GradScaler):
+    `scale(loss)` before backward; `step(...)` unscales, clips the global norm and steps, or skips the update and
+    lowers the scale when the gradients hold an inf/NaN (counted, not an error). bf16 and fp32: `scale` is the
+    identity and a non-finite norm stops the run (check_grad_norm). `step` returns the norm; `metrics(norm)` the
+    row's keys (a skipped update's norm is left out of the row, never written as inf)."""
+
+    def __init__(self, dtype: str, device: torch.device):
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+        self.skipped = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def step(self, model, optimizer, max_norm: float, step: int, update: int) -> torch.Tensor:
+        if self.scaler is None:
+            norm = clip_grad_norm(model, max_norm)  # the global norm (torchrun: every rank's)
+            check_grad_norm(norm, step, update)  # non-finite: RunError on every rank
+            optimizer.step()
+            return norm
+        self.scaler.unscale_(optimizer)
+        norm = clip_grad_norm(model, max_norm)
+        self.scaler.step(optimizer)  # skipped when the unscaled gradients are not finite
+        self.scaler.update()
+        self.skipped += int(not torch.isfinite(norm))
+        return norm
+
+    def metrics(self, norm: torch.Tensor) -> dict:
+        out = {"losses/grad_norm": norm.item()} if torch.isfinite(norm) else {}
+        if self.scaler is not None:
+            out |= {"charts/loss_scale": self.scaler.get_scale(), "losses/updates_skipped": self.skipped}
+        return out
+
+    def state_dict(self) -> dict:
+        return {} if self.scaler is None else {"scaler": self.scaler.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state["scaler"])
+            self.skipped = state["skipped"]
 
 
 # ----- per-step timers and metric logging
@@ -972,6 +1154,22 @@ class Args:
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    dtype: Literal["bf16", "fp16"] = arg(
+        "bf16",
+        "compute dtype on a GPU: autocast of the trainer's forward passes (fp32 master weights stay) and the vLLM "
+        "engine's weights; fp16 adds dynamic loss scaling (CPU: fp32, no autocast; fp16 is refused there)",
+    )
+    rollout_is: Literal["none", "token-tis", "seq-mask", "icepop"] = arg(
+        "none",
+        "correction of the engine-trainer mismatch rho = pi_old / mu (docs/mismatch.md): none, token-tis "
+        "(w = min(rho, C)), seq-mask (w = rho_seq, sequence dropped above C), icepop (w = rho inside [0.5, 5], else 0)",
+    )
+    rollout_is_cap: float = arg(0.0, "C of --rollout-is token-tis / seq-mask (0: the standard 2 / 3)")
+    max_engine_logp_diff: float = arg(
+        0.1,
+        "stop the run when the mean |engine - trainer log-prob| of a step's first mini-batch exceeds this (nats): "
+        "the engine is not sampling from the trainer's weights (0: no check)",
+    )
     gradient_checkpointing: bool = arg(
         False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
     )
@@ -1032,6 +1230,8 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
     ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
     ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
+    ("max_engine_logp_diff", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no check)"),
     ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
     ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
     ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
@@ -1309,6 +1509,13 @@ def setup(args) -> tuple[World, torch.device]:
     w = init_world()
     set_cpu_threads()
     device = pick_device()
+    if args.dtype == "fp16" and device.type != "cuda":
+        raise UserError("--dtype fp16 needs a CUDA GPU: on CPU the scripts compute in fp32 (no autocast)")
+    if args.dtype == "fp16" and w.enabled:
+        raise UserError(
+            "--dtype fp16 runs in one process only (loss scaling of FSDP2's sharded gradients is not "
+            "wired up); use bf16 under torchrun"
+        )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
     seed_everything(args.seed)
     return w, device
@@ -1798,7 +2005,14 @@ class VLLMEngine:
 
     @classmethod
     def colocated(
-        cls, model, tokenizer, model_path: str, max_model_len: int, seed: int, gpu_memory_utilization: float
+        cls,
+        model,
+        tokenizer,
+        model_path: str,
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float,
+        dtype: str = "bf16",
     ) -> VLLMEngine:
         """The engine of make_engine: on the trainer's device, holding the trainer's weights from the start."""
         # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
@@ -1816,7 +2030,7 @@ class VLLMEngine:
             max_model_len=max_model_len,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
-            dtype="bfloat16" if on_cuda else "float32",
+            dtype=("float16" if dtype == "fp16" else "bfloat16") if on_cuda else "float32",
         )
         engine.wake(model)  # the trainer's weights are the truth from the first rollout on
         if world().enabled:

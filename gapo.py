@@ -128,6 +128,7 @@ def compute_policy_loss(
     level: str = "token",
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate with a per-rollout upper bound. logp, old_logp, ref_logp, mask: (B, T); advantages (B,);
     eps_high: float or (B,). level "token": token-mean of the PPO/GRPO term; "sequence": GSPO, mean over sequences.
@@ -151,6 +152,8 @@ def compute_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, min=lower, max=upper)  # GAPO: upper bound per rollout
     per_token = torch.maximum(unclipped, clipped)  # PPO pessimistic bound, (B, T)
+    if is_weights is not None:  # rollout correction: w_t (detached) times the clipped term (docs/mismatch.md)
+        per_token = per_token * is_weights
     if beta > 0.0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
@@ -236,8 +239,12 @@ def main(args: Args) -> None:
         model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
     )
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
+    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
+    ref_model = (
+        common.shard_model(common.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
+        if args.beta > 0
+        else None
+    )
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     engine = common.make_engine(
         args.engine,
@@ -248,8 +255,10 @@ def main(args: Args) -> None:
         seed=args.seed,
         gen_batch_size=args.gen_batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        return_logps=False,
+        return_logps=args.rollout_is != "none",  # a correction needs the engine's log-probs
+        dtype=args.dtype,
     )
+    loss_scale = common.LossScale(args.dtype, device)  # fp16: dynamic loss scaling; bf16 and fp32: none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -260,6 +269,7 @@ def main(args: Args) -> None:
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
+        loss_scale.load_state_dict(state.get("loss_scale"))
         print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
     logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
@@ -353,6 +363,9 @@ def main(args: Args) -> None:
                 ref_logp[rollout.rows] = common.batch_logps(
                     ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
+            # the engine's log-probs against the trainer's, row by row in the update loop: the rollout correction
+            # (--rollout-is), the mismatch/ metrics and the stale-engine check
+            mismatch = common.Mismatch(rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff)
         # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss with a per-rollout upper bound)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
@@ -369,6 +382,7 @@ def main(args: Args) -> None:
                     ready = old_ready[micro].unsqueeze(1).to(logp.device)
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
+                    is_weights = mismatch.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
                     loss, stats = compute_policy_loss(
                         logp,
                         old,
@@ -379,9 +393,10 @@ def main(args: Args) -> None:
                         level=args.clip_level,
                         ref_logp=ref,
                         beta=args.beta,
+                        is_weights=is_weights,
                     )
                     weight = common.accumulation_weight(loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
-                    (loss * weight).backward()
+                    loss_scale.scale(loss * weight).backward()
                     n_tok = micro_mask.sum().item()
                     clip_w = n_tok / mb_tokens if args.clip_level == "token" else len(micro) / len(mb_rows)  # token / seq
                     sums["policy_loss"] += loss.item() * weight
@@ -393,14 +408,13 @@ def main(args: Args) -> None:
                     c_sel = n_correct[micro][sel]  # (n_sel,) their c
                     for j, key in enumerate(("clipped", "units", "abs_dev")):
                         per_c[j].index_add_(0, c_sel, stats["rows"][key][sel].float())
+                mismatch.check_once(step)  # the step's first mini-batch: is the engine sampling from these weights?
                 sums, per_c = world.sum(sums), world.sum(per_c)  # torchrun: add the ranks' shares
-                grad_norm = common.clip_grad_norm(model, args.max_grad_norm)  # global norm (torchrun: all ranks)
-                common.check_grad_norm(grad_norm, step, update + 1)  # non-finite: RunError on every rank
-                optimizer.step()
+                grad_norm = loss_scale.step(model, optimizer, args.max_grad_norm, step, update + 1)  # clip, step
                 scheduler.step()
                 update += 1
                 metrics = {f"losses/{k}": v for k, v in sums.items()} | {
-                    "losses/grad_norm": grad_norm.item(),
+                    **loss_scale.metrics(grad_norm),
                     "charts/learning_rate": scheduler.get_last_lr()[0],
                     "update": update,
                 }
@@ -431,6 +445,7 @@ def main(args: Args) -> None:
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
+        rollout_metrics |= mismatch.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
         if engine_diff is not None:
             rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
@@ -471,6 +486,7 @@ def main(args: Args) -> None:
                     "update": update,
                     "wall_s": time.time() - t_start,
                     "eval_before": eval_before,
+                    "loss_scale": loss_scale.state_dict(),
                     "timers": dict(timers.total),
                 },
                 keep_last=args.keep_last,

@@ -117,6 +117,7 @@ def compute_policy_loss(
     keep: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Relaxed clipped surrogate times the veto's keep mask. logp, behav_logp, mask, keep, ref_logp: (B, T);
     advantages (B,). Token-mean whose denominator counts the completion tokens before the veto. Returns (loss, stats);
@@ -133,6 +134,8 @@ def compute_policy_loss(
     clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # Mu-GRPO: [0, 5]; rho >= 0 so A<0 never clips
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, (B, T)
     n = mask.sum().clamp(min=1.0)  # completion tokens BEFORE the veto (reading: the veto does not re-weight)
+    if is_weights is not None:  # rollout correction: w_t (detached) times the clipped term (docs/mismatch.md)
+        per_token = per_token * is_weights
     loss = (per_token * keep).sum() / n  # the veto masks the policy term only
     if beta > 0.0:
         if ref_logp is None:
@@ -227,8 +230,12 @@ def main(args: Args) -> None:
         model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
     )
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing))
-    ref_model = common.shard_model(common.load_model(args.model, device, trainable=False)) if args.beta > 0 else None
+    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
+    ref_model = (
+        common.shard_model(common.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
+        if args.beta > 0
+        else None
+    )
     optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
     engine = common.make_engine(
         args.engine,
@@ -239,8 +246,10 @@ def main(args: Args) -> None:
         seed=args.seed,
         gen_batch_size=args.gen_batch_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        return_logps=args.behav_logp == "engine",  # ALGO LOGIC
+        return_logps=args.behav_logp == "engine" or args.rollout_is != "none",  # ALGO LOGIC
+        dtype=args.dtype,
     )
+    loss_scale = common.LossScale(args.dtype, device)  # fp16: dynamic loss scaling; bf16 and fp32: none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -251,6 +260,7 @@ def main(args: Args) -> None:
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
+        loss_scale.load_state_dict(state.get("loss_scale"))
         print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
     logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
@@ -339,6 +349,9 @@ def main(args: Args) -> None:
                 ref_logp[rollout.rows] = common.batch_logps(
                     ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
+            # the engine's log-probs against the trainer's, row by row in the update loop: the rollout correction
+            # (--rollout-is), the mismatch/ metrics and the stale-engine check
+            mismatch = common.Mismatch(rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff)
         # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
         if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
             if not rollout.has_engine_logps:
@@ -365,7 +378,14 @@ def main(args: Args) -> None:
             for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates made since the stage's rollouts
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator: the mini-batch's tokens before veto
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
-                diag = {"neg_ratio_sum": 0.0, "neg_tokens": 0.0, "vetoed_tokens": 0.0, "neg_resp": 0, "triggered_resp": 0}
+                diag = {
+                    "neg_ratio_sum": 0.0,
+                    "neg_tokens": 0.0,
+                    "vetoed_tokens": 0.0,
+                    "neg_resp": 0,
+                    "triggered_resp": 0,
+                    "mismatch_triggers": 0.0,
+                }
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
                     tb = common.rows_batch(rollout, micro, pad_id)  # (b, L) [left-padded prompt | completion]
@@ -376,6 +396,7 @@ def main(args: Args) -> None:
                     behav = torch.where(ready, behav_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     adv = advantages[micro].to(logp.device)  # (b,) stored at generation time
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
+                    is_weights = mismatch.weights(micro, behav, micro_mask)  # (b, T_m) rollout correction; None: off
                     # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
                     keep = veto_mask(logp.detach(), behav, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
                     loss, stats = compute_policy_loss(
@@ -388,9 +409,10 @@ def main(args: Args) -> None:
                         keep=keep,
                         ref_logp=ref,
                         beta=args.beta,
+                        is_weights=is_weights,
                     )
                     weight = common.accumulation_weight("token-mean", micro_mask, mb_tokens, len(micro), len(mb_rows))
-                    (loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
+                    loss_scale.scale(loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
                     n_tok = micro_mask.sum().item()
                     sums["policy_loss"] += loss.item() * weight
                     for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
@@ -401,10 +423,13 @@ def main(args: Args) -> None:
                     trig = veto_triggers(logp.detach(), behav, adv, micro_mask, log_delta)  # (b, T_m) bool
                     diag["neg_resp"] += int((adv < 0).sum().item())
                     diag["triggered_resp"] += int(trig.any(dim=1).sum().item())  # triggers exist only in A<0 rows
+                    log_rho = mismatch.log_rho(micro, behav)  # (b, T_m) log(pi_behav / mu) of the engine; None: none
+                    if log_rho is not None:  # A<0 tokens that the mismatch alone would trigger, with no staleness
+                        neg = (adv < 0).unsqueeze(1) & micro_mask.bool()  # (b, T_m)
+                        diag["mismatch_triggers"] += ((log_rho < log_delta) & neg).sum().item()
+                mismatch.check_once(step)  # the step's first mini-batch: is the engine sampling from these weights?
                 sums, diag = world.sum(sums), world.sum(diag)  # torchrun: add the ranks' shares
-                grad_norm = common.clip_grad_norm(model, args.max_grad_norm)  # global norm (torchrun: all ranks)
-                common.check_grad_norm(grad_norm, step, update + 1)  # non-finite: RunError on every rank
-                optimizer.step()
+                grad_norm = loss_scale.step(model, optimizer, args.max_grad_norm, step, update + 1)  # clip, step
                 scheduler.step()
                 update += 1
                 mugrpo_metrics = {  # a ratio with no data (no A<0 token in the mini-batch) is left out of the row, never null
@@ -413,13 +438,15 @@ def main(args: Args) -> None:
                 }
                 if diag["neg_tokens"]:
                     mugrpo_metrics["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
+                    if mismatch.available:  # share of A<0 tokens with log(pi_behav / mu) < log delta
+                        mugrpo_metrics["mugrpo/mismatch_trigger_frac"] = diag["mismatch_triggers"] / diag["neg_tokens"]
                 if diag["neg_resp"]:
                     mugrpo_metrics["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
                 update_metrics.append(
                     {f"losses/{k}": v for k, v in sums.items()}
                     | mugrpo_metrics
                     | {
-                        "losses/grad_norm": grad_norm.item(),
+                        **loss_scale.metrics(grad_norm),
                         "charts/learning_rate": scheduler.get_last_lr()[0],
                         "update": update,
                     }
@@ -448,6 +475,7 @@ def main(args: Args) -> None:
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
+        rollout_metrics |= mismatch.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
         if engine_diff is not None:
             rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
@@ -488,6 +516,7 @@ def main(args: Args) -> None:
                     "update": update,
                     "wall_s": time.time() - t_start,
                     "eval_before": eval_before,
+                    "loss_scale": loss_scale.state_dict(),
                     "timers": dict(timers.total),
                 },
                 keep_last=args.keep_last,

@@ -6,8 +6,10 @@ changed and their mean |dw|, plus the share that changed in the bf16 copy of the
 engine receives). Same helpers as tests/test_precision.py (docs/precision.md).
 
     flock /tmp/cpu.lock /work/venv/bin/python bench/bf16_update.py
+    python bench/bf16_update.py --device cuda                     # the same on a GPU (bench/gpu_check.py runs it)
 """
 
+import argparse
 import os
 import sys
 import tempfile
@@ -24,29 +26,32 @@ from tests import tiny as tiny_mod  # noqa: E402
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    device = torch.device(p.parse_args().device)
     warnings.simplefilter("ignore")  # make_optimizer's bf16 warning is the point of the first row
     path = tiny_mod.make_tiny_model(tempfile.mkdtemp(prefix="bench_bf16_"))
-    cpu = torch.device("cpu")
+    print(f"device {device}{' (' + torch.cuda.get_device_name() + ')' if device.type == 'cuda' else ''}")
     print("| lr | path | weights changed | mean abs dw |")
     print("|---|---|---|---|")
     for lr in (1e-6, 1e-5):
-        old = common.load_model(path, cpu).to(torch.bfloat16)
+        old = common.load_model(path, device, compute_dtype=None).to(torch.bfloat16)
         init = {k: v.detach().clone() for k, v in old.named_parameters()}
-        new = common.load_model(path, cpu, compute_dtype=torch.bfloat16)
-        ref = common.load_model(path, cpu)
+        new = common.load_model(path, device, compute_dtype=torch.bfloat16)
+        ref = common.load_model(path, device, compute_dtype=None)
         for m in (new, ref):
             m.load_state_dict({k: v.float() for k, v in init.items()}, strict=False)
         for m in (old, new, ref):
             tp._train(m, 10, lr)
         for name, m in (
-            ("bf16 weights (old CUDA path)", old),
-            ("fp32 master + bf16 autocast (new CUDA path)", new),
-            ("fp32 (CPU path)", ref),
+            ("bf16 weights", old),
+            ("fp32 master + bf16 autocast (the scripts on CUDA)", new),
+            ("fp32, no autocast (the scripts on CPU)", ref),
         ):
             frac, dw = tp._changed(init, dict(m.named_parameters()))
             print(f"| {lr:g} | {name} | {100 * frac:.1f}% | {dw:.3g} |")
         frac, _ = tp._changed(init, {k: v.detach().to(torch.bfloat16) for k, v in new.named_parameters()})
-        print(f"| {lr:g} | bf16 copy of the new fp32 master (pushed to a bf16 engine) | {100 * frac:.1f}% | |")
+        print(f"| {lr:g} | bf16 copy of the fp32 master (pushed to a bf16 engine) | {100 * frac:.1f}% | |")
 
 
 if __name__ == "__main__":

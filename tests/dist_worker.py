@@ -34,19 +34,21 @@ class ScriptedEngine:
 
     name = "scripted"
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, with_logps: bool = False):
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
+        self.with_logps = with_logps  # scripted engine log-probs (one per token, from the same seed): the mismatch path
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
-        out = common.RolloutBatch()
+        out = common.RolloutBatch(with_engine_logps=self.with_logps)
         for i, ids in enumerate(prompt_ids):
             g = group_ids[i] if group_ids is not None else i  # world size 1: prompt i is global group i
             for j in range(n):
                 rng = random.Random(f"{seed}/{g}/{j}")
                 text = "x" * rng.randrange(0, 3) + str(rng.choice([1, 2, 3]))
                 toks = self.tokenizer.encode(text, add_special_tokens=False)[: max_new_tokens - 1] + [self.eos]
-                out.append_row(ids, toks, self.tokenizer.decode(toks, skip_special_tokens=True), "stop")
+                logps = [-3.0 - 2.0 * rng.random() for _ in toks] if self.with_logps else None
+                out.append_row(ids, toks, self.tokenizer.decode(toks, skip_special_tokens=True), "stop", logps)
         return out
 
     def push_weights(self, model):
@@ -60,8 +62,9 @@ class ScriptedEngine:
 
 
 def run_script(method: str, flags: list[str]) -> None:
-    if os.environ.get("RLVR_TEST_ENGINE") == "scripted":
-        common.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer)
+    if os.environ.get("RLVR_TEST_ENGINE") in ("scripted", "scripted_logps"):
+        logps = os.environ["RLVR_TEST_ENGINE"] == "scripted_logps"
+        common.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer, logps)
     sys.argv = [os.path.join(ROOT, f"{method}.py"), *flags]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

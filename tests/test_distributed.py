@@ -208,6 +208,26 @@ def test_scripts_two_ranks_equal_one_rank(toy, tmp_path, method):
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < WEIGHT_TOL
 
 
+@pytest.mark.parametrize("method,mode", [("grpo", "token-tis"), ("mugrpo", "seq-mask")])
+def test_rollout_correction_two_ranks_equal_one_rank(toy, tmp_path, method, mode):
+    """An engine that returns log-probs (scripted, far from the trainer's: every weight is moved) and a rollout
+    correction on: the mismatch/ and rollout_is/ metrics, losses and final weights agree with one process."""
+    runs = {}
+    extra = ["--rollout-is", mode, "--max-engine-logp-diff", "0"]
+    for nproc in (1, 2):
+        name = f"{method}_is_w{nproc}"
+        flags = script_flags(toy, tmp_path, name, method) + extra
+        proc = launch(["script", method, *flags], nproc, tmp_path, RLVR_TEST_ENGINE="scripted_logps")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[nproc] = tmp_path / name
+    rows1, rows2 = comparable(read_rows(runs[1])), comparable(read_rows(runs[2]))
+    first = [r for r in rows1 if "mismatch/abs_log_rho_mean" in r]
+    assert first and all(r["rollout_is/token_changed_frac"] > 0 for r in first)  # the correction reweighted
+    assert_rows_close(rows1, rows2)
+    w1, w2 = final_weights(runs[1]), final_weights(runs[2])
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < WEIGHT_TOL
+
+
 # ----- the real HF engine, checkpoints, failures ---------------------------------------------------------------
 
 
