@@ -2,16 +2,20 @@
 
 start    Args (the common flags; a script subclasses it), run_cli, setup (checks, torchrun, threads, seeds, device),
          find_resume, make_run_dir; verifiers.load_task / load_eval_tasks (a task: its data and how it is scored)
-model    load_tokenizer, load_model (fp32 master weights, bf16 autocast on CUDA), shard_model (FSDP2 under torchrun),
-         make_optimizer, format_prompt, make_engine (HFEngine here, VLLMEngine on a GPU), Timers, PromptSampler,
-         load_trainer_state, RunLogger; evaluation: evaluate_sets, eval_seed, write_eval, console_line, print_summary
+model    load_tokenizer, context_length, load_model (fp32 master weights, bf16/fp16 autocast on CUDA), shard_model
+         (FSDP2 under torchrun), make_optimizer, LossScale, format_prompt, make_engine (HFEngine here, VLLMEngine on a
+         GPU), Timers, PromptSampler, load_trainer_state, RunLogger; evaluation: evaluate_sets, eval_seed, write_eval,
+         console_line, print_summary
 one step 1. engine.wake (the weight sync), group_shuffled_minibatches(minibatch_generator(seed, step)): the plan
          2. sampler.sample, format_prompt, generate_rollout -> RolloutBatch (prompt(r), completion(r), lengths)
          3. engine.sleep; rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
-         4. completion_mask_of (B, T), row_lengths; batch_logps: no-grad old (and reference) log-probs
-         5. per mini-batch: micro_batches (a token budget), rows_batch -> TokenBatch, completion_logps (B, T) with
-            entropy, the method's loss, accumulation_weight, backward; clip_grad_norm, check_grad_norm, optimizer step
-         6. metrics: peak_memory_gb, engine_logp_diff, logger.log, console_line, write_rollouts
+         4. completion_mask_of (B, T); batch_logps: no-grad old (and reference) log-probs; Mismatch: the engine's
+            log-probs against the trainer's
+         5. per mini-batch: micro_batches (a token budget; the rows of one prompt packed, its prompt computed once),
+            rows_batch -> TokenBatch, completion_logps (B, T) with entropy, mismatch.weights (a rollout correction),
+            the method's loss, accumulation_weight, loss_scale.scale(loss).backward(); mismatch.check_once (a stale
+            engine), loss_scale.step (clip the global norm, check it, step)
+         6. metrics: peak_memory_gb, mismatch.metrics, engine_logp_diff, logger.log, console_line, write_rollouts
 end      save_checkpoint, save_final_model
 
 Part A below holds, in that order, everything one step calls on one process with the transformers engine. Part B,
@@ -304,6 +308,10 @@ class RolloutBatch:
     def prompt_lengths(self) -> torch.Tensor:  # (B,) int64
         return torch.diff(_tensor(self._prompt_offsets))[_tensor(self._prompt_index)]
 
+    @property
+    def prompt_of_row(self) -> torch.Tensor:  # (B,) int64: rows with one stored prompt share it (a group's rows)
+        return _tensor(self._prompt_index)
+
     def nbytes(self) -> int:
         """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
         bufs = [
@@ -340,6 +348,7 @@ class HFEngine:
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.share_prompts = True  # prefill each distinct prompt once (False: every row, as benchmarks compare)
 
     def generate(
         self,
@@ -394,12 +403,20 @@ class HFEngine:
                 for i, r in enumerate(batch):
                     input_ids[i, width - len(r) :] = torch.tensor(r)
                     attention[i, width - len(r) :] = 1
+                input_ids, attention = input_ids.to(device), attention.to(device)
+                # each distinct prompt prefilled once, its KV cache repeated for its n rows (rows of one prompt are
+                # consecutive, n of each): generate then runs only the prompts' last token (a prompt of one token
+                # would be all padding in the prefill, so such a chunk keeps the plain path)
+                shared = {}
+                if self.share_prompts and n > 1 and min(len(r) for r in batch) > 1:
+                    shared["past_key_values"] = self._prompt_cache(input_ids[::n], attention[::n], n)
                 with autocast_context(model):
                     gen = model.generate(
-                        input_ids=input_ids.to(device),
-                        attention_mask=attention.to(device),
+                        input_ids=input_ids,
+                        attention_mask=attention,
                         generation_config=config,
                         synced_gpus=synced,
+                        **shared,
                     )
                 new_tokens = gen.sequences[:, width:].cpu()
                 if self.return_logps:
@@ -435,6 +452,24 @@ class HFEngine:
             model.config.use_cache = use_cache
             model.train(was_training)
         return out
+
+    def _prompt_cache(self, input_ids: torch.Tensor, attention: torch.Tensor, n: int):
+        """The KV cache of the prompts (p, w) but their last token, each repeated n times along the batch."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        ids, att = input_ids[:, :-1], attention[:, :-1]
+        with autocast_context(self.model):
+            self.model(
+                input_ids=ids,
+                attention_mask=att,
+                position_ids=(att.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache.batch_repeat_interleave(n)
+        return cache
 
     def sampling_config(self, max_new_tokens: int, temperature: float):
         """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
@@ -551,17 +586,19 @@ def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None)
     return mask
 
 
-def row_lengths(rollout) -> list[int]:
-    """Prompt + completion tokens of every row (all B rows; several processes: gathered lengths)."""
-    return (rollout.prompt_lengths + rollout.completion_lengths).tolist()
-
-
 @dataclass
 class TokenBatch:
-    input_ids: torch.Tensor  # (B, L) prompt left-padded, completion right-padded
-    attention_mask: torch.Tensor  # (B, L)
+    """One forward pass. Padded rows (pad_batch): [left-padded prompt | right-padded completion] per row. Packed
+    groups (pack_batch): one sequence per group [prompt | c_1 | ... | c_k] with a block mask (each completion sees
+    the prompt and its own past) and positions restarting after the prompt, so every prompt is computed once."""
+
+    input_ids: torch.Tensor  # (n, L) n rows, or n packed groups
+    attention_mask: torch.Tensor | None  # (n, L) padding mask of rows; None for packs (block_ids say it)
     completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
     completion_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor | None = None  # (n, L) packs: the positions each token has in its own row
+    block_ids: torch.Tensor | None = None  # (n, L) packs: 0 prompt, j completion j of the pack, -1 padding
+    gather: torch.Tensor | None = None  # (N,) packs: flat (n * L) index of the hidden state predicting each token
 
 
 def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
@@ -584,27 +621,139 @@ def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequ
     return TokenBatch(input_ids, attention, comp_mask, comp_ids)
 
 
-def rows_batch(rollout, rows: Sequence[int], pad_id: int) -> TokenBatch:
-    """pad_batch of `rows` of a rollout (this process's rows)."""
-    return pad_batch([rollout.prompt(r) for r in rows], [rollout.completion(r) for r in rows], pad_id)
+def pack_batch(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int) -> TokenBatch:
+    """One packed sequence per (prompt, completions) group: [prompt | c_1[:-1] | ... | c_k[:-1]] (a completion's
+    last token predicts nothing, so it needs no position), right-padded to a multiple of 16. Completion j's token t
+    is predicted by the hidden state of the prompt's last token (t = 0) or of its own token t - 1, at position
+    P + t - 1 as in its padded row. completion_mask / completion_ids: (B, T), the groups' rows in order."""
+    seqs, gathers, rows = [], [], []
+    for prompt, completions in groups:
+        P = len(prompt)
+        ids, pos, blk = list(prompt), list(range(P)), [0] * P
+        for j, c in enumerate(completions, 1):
+            start = len(ids)
+            ids += c[:-1]
+            pos += range(P, P + len(c) - 1)
+            blk += [j] * (len(c) - 1)
+            gathers.append((len(seqs), [P - 1] + [start + t - 1 for t in range(1, len(c))]))
+            rows.append(c)
+        seqs.append((ids, pos, blk))
+    n, L = len(seqs), _pack_len(max(len(sq[0]) for sq in seqs))
+    T = max(1, max(len(c) for c in rows))
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((n, L), dtype=torch.long)
+    block_ids = torch.full((n, L), -1, dtype=torch.long)
+    for i, (ids, pos, blk) in enumerate(seqs):
+        input_ids[i, : len(ids)], position_ids[i, : len(ids)] = torch.tensor(ids), torch.tensor(pos)
+        block_ids[i, : len(ids)] = torch.tensor(blk)
+    comp_mask = torch.zeros((len(rows), T), dtype=torch.float32)
+    comp_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    gather = []
+    for r, (c, (i, at)) in enumerate(zip(rows, gathers)):
+        comp_mask[r, : len(c)] = 1
+        comp_ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+        gather += [i * L + a for a in at[: len(c)]]  # row-major over completion_mask, as masked_scatter fills it
+    return TokenBatch(input_ids, None, comp_mask, comp_ids, position_ids, block_ids, torch.tensor(gather, dtype=torch.long))
 
 
-def micro_batches(rows: Sequence[int], lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Split `rows` into micro-batches whose padded size (rows x longest) stays within `token_budget`;
-    rows are length-sorted first so that little compute goes to padding.
+def rows_batch(rollout, micro: Sequence[int], pad_id: int) -> TokenBatch:
+    """The TokenBatch of a micro-batch of micro_batches: its packed groups (micro.packs) or its padded rows."""
+    packs = getattr(micro, "packs", None)
+    if packs:
+        return pack_batch([(rollout.prompt(g[0]), [rollout.completion(r) for r in g]) for g in packs], pad_id)
+    return pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
+
+
+class MicroBatch(list):
+    """The rows of one forward/backward pass, in the order of its log-prob rows; `packs` (lists of rows that share
+    one prompt) when they go through the model as packed groups (pack_batch), None for padded rows (pad_batch)."""
+
+    packs: list[list[int]] | None = None
+
+    @classmethod
+    def of_packs(cls, packs: list[list[int]]) -> MicroBatch:
+        micro = cls(r for pack in packs for r in pack)
+        micro.packs = packs
+        return micro
+
+
+PACK_MAX_TOKENS = 8192  # the longest packed sequence: its block mask is (L, L)
+PACK_GAIN = 0.8  # pack a group only where the cost model says it costs at most 0.8 of its rows
+
+
+def attention_tokens(model) -> float | None:
+    """a / b of the cost model cost(L) = L * (a + b * L) of one sequence of L tokens through the decoder (a: the
+    linear layers per token, b: attention per query-key pair): the length at which attention costs as much as the
+    rest. None where packing does not apply (no model, an attention implementation that takes no block mask, a
+    config without the fields, sliding-window layers)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager") or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    try:
+        h, hq, i = config.hidden_size, config.num_attention_heads, config.intermediate_size
+        hkv = getattr(config, "num_key_value_heads", None) or hq
+        d = getattr(config, "head_dim", None) or h // hq
+    except AttributeError:
+        return None
+    return 2 * (h * (hq * d + 2 * hkv * d) + hq * d * h + 3 * h * i) / (4 * hq * d)
+
+
+def _pack_len(n: int) -> int:
+    return -(-n // 16) * 16  # pack_batch pads a pack to a multiple of 16 tokens (aligned attention masks on CUDA)
+
+
+def _units(rollout, rows: Sequence[int], lengths: Sequence[int], budget: int, a_b: float | None) -> list:
+    """The rows as the passes will hold them: packs (runs of rows with one stored prompt, where the cost model says
+    packing saves at least 1 - PACK_GAIN of the compute) and single rows, each with its length in computed tokens."""
+    cost = lambda n: n * (a_b + n)  # noqa: E731 - cost(L) / b
+    prompt_of, p_len = rollout.prompt_of_row.tolist(), rollout.prompt_lengths.tolist()
+    units, i = [], 0
+    while i < len(rows):
+        j = i
+        while j + 1 < len(rows) and prompt_of[rows[j + 1]] == prompt_of[rows[i]]:
+            j += 1
+        run, P, i = list(rows[i : j + 1]), p_len[rows[i]], j + 1
+        best = None
+        if a_b is not None and len(run) > 1 and P > 0:
+            comp = [lengths[r] - P for r in run]  # completion tokens of each row
+            rows_cost = sum(cost(P + c) for c in comp)
+            for k in range(2, len(run) + 1):  # packs of k consecutive rows (the last one the rest)
+                starts = range(0, len(run), k)
+                sizes = [_pack_len(P + sum(max(c - 1, 0) for c in comp[s : s + k])) for s in starts]  # computed tokens
+                if max(sizes) > min(PACK_MAX_TOKENS, budget):
+                    break
+                total = sum(cost(n) for n in sizes)
+                if total <= PACK_GAIN * rows_cost and (best is None or total < best[0]):
+                    best = (total, [run[s : s + k] for s in starts], sizes)
+        if best is None:
+            units += [(lengths[r], [r], False) for r in run]
+        else:
+            units += [(size, chunk, True) for chunk, size in zip(best[1], best[2])]
+    return units
+
+
+def micro_batches(rollout, rows: Sequence[int], token_budget: int, model=None) -> list[MicroBatch]:
+    """Split `rows` into micro-batches whose computed tokens stay within `token_budget`: padded rows (rows x longest)
+    or, where the rows of one prompt are packed (`model`'s cost model, attention_tokens), packs x longest pack.
+    Units are length-sorted first so that little compute goes to padding. Without a model, or where packing would
+    not pay, these are the padded rows of pad_batch.
 
     Several processes: World.same_count gives every rank the same number of micro-batches."""
-    order = sorted(rows, key=lambda r: lengths[r])
-    out, current, longest = [], [], 0
-    for r in order:
-        new_longest = max(longest, lengths[r])
-        if current and new_longest * (len(current) + 1) > token_budget:
-            out.append(current)
-            current, new_longest = [], lengths[r]
-        current.append(r)
-        longest = new_longest
-    if current:
-        out.append(current)
+    lengths = (rollout.prompt_lengths + rollout.completion_lengths).tolist()
+    units = _units(rollout, list(rows), lengths, token_budget, attention_tokens(model))
+    out = []
+    for packed in (False, True):
+        current, longest = [], 0
+        for size, unit_rows, _ in sorted((u for u in units if u[2] == packed), key=lambda u: u[0]):
+            new_longest = max(longest, size)
+            if current and new_longest * (len(current) + 1) > token_budget:
+                out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
+                current, new_longest = [], size
+            current.append(unit_rows)
+            longest = new_longest
+        if current:
+            out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
     return world().same_count(out)  # torchrun: every rank runs as many forward/backward passes
 
 
@@ -653,19 +802,28 @@ def _completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
     input_ids = batch.input_ids.to(device)
-    attention = batch.attention_mask.to(device)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    T = batch.completion_ids.shape[1]
     body = getattr(model, model.base_model_prefix)
-    with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
-        hidden = body(
-            input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # (B, L, H)
-    hidden = hidden[:, -T - 1 : -1, :]  # position P+t-1 predicts completion token t -> (B, T, H)
+    mask = batch.completion_mask.to(device).bool()
+    if batch.block_ids is None:  # padded rows
+        attention = batch.attention_mask.to(device)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        T = batch.completion_ids.shape[1]
+        with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
+            hidden = body(
+                input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # (B, L, H)
+        flat_hidden = hidden[:, -T - 1 : -1, :][mask]  # position P+t-1 predicts completion token t -> (N, H)
+    else:  # packed groups: every prompt once
+        with autocast_context(model):
+            hidden = body(
+                input_ids=input_ids,
+                attention_mask=pack_attention_mask(model, batch.block_ids.to(device)),
+                position_ids=batch.position_ids.to(device),
+                use_cache=False,
+            ).last_hidden_state  # (n, L, H)
+        flat_hidden = hidden.flatten(0, 1)[batch.gather.to(device)]  # (N, H) real completion tokens, row-major
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    mask = batch.completion_mask.to(device).bool()
-    flat_hidden = hidden[mask]  # (N, H) real completion tokens only
     flat_targets = batch.completion_ids.to(device)[mask]
     logps, ents = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
@@ -689,6 +847,21 @@ def _completion_logps(
     return out, entropy
 
 
+def pack_attention_mask(model, block_ids: torch.Tensor) -> torch.Tensor:
+    """(n, 1, L, L) mask of packed groups from block_ids (n, L): a token sees the earlier tokens of its own block
+    and of the prompt (block 0); padding sees itself (no fully masked row). Bool for SDPA; additive float for eager
+    attention, which adds the mask to the scores (a bool mask would be added as 1 / 0 there)."""
+    L = block_ids.shape[1]
+    pos = torch.arange(L, device=block_ids.device)
+    q, k = block_ids[:, :, None], block_ids[:, None, :]  # (n, L, 1), (n, 1, L)
+    mask = (pos[:, None] >= pos[None, :]) & ((q == k) | (k == 0)) & (q >= 0)
+    mask = (mask | torch.eye(L, dtype=torch.bool, device=block_ids.device))[:, None]
+    if model.config._attn_implementation == "eager":
+        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
 @torch.no_grad()
 def batch_logps(
     model,
@@ -703,12 +876,11 @@ def batch_logps(
     completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
     T = max(1, int(rollout.completion_lengths.max()))
     out = torch.zeros((len(rows), T), dtype=torch.float32)
-    lengths = row_lengths(rollout)
     position = {r: i for i, r in enumerate(rows)}
     was_training = model.training
     model.eval()
     try:
-        for mb in micro_batches(list(rows), lengths, token_budget):
+        for mb in micro_batches(rollout, list(rows), token_budget, model):
             lp, _ = completion_logps(model, rows_batch(rollout, mb, pad_id), temperature, chunk_tokens, with_entropy=False)
             for j, r in enumerate(mb):
                 out[position[r], : lp.shape[1]] = lp[j].cpu()
@@ -1637,8 +1809,7 @@ class World:
                     f"rank {self.rank} has {n_rows} rows for {target} micro-batches: the ranks' "
                     "shares of the batch are unequal"
                 )
-            half = len(out[big]) // 2
-            out[big : big + 1] = [out[big][:half], out[big][half:]]
+            out[big : big + 1] = _split_micro_batch(out[big])
         return out
 
     # -- collectives (identity at world size 1) ------------------------------------------------
@@ -1738,6 +1909,19 @@ class World:
             close()
         if self.enabled and td.is_initialized():
             td.destroy_process_group()  # without it a 2-rank run sometimes aborted at exit (docs/distributed.md)
+
+
+def _split_micro_batch(micro):
+    """Two micro-batches of one: padded rows halved; packs halved, or a single pack's rows (two sub-packs that
+    each repeat the prompt)."""
+    packs = getattr(micro, "packs", None)
+    if not packs:
+        half = len(micro) // 2
+        return [type(micro)(micro[:half]), type(micro)(micro[half:])]
+    if len(packs) == 1:
+        packs = [packs[0][: len(packs[0]) // 2], packs[0][len(packs[0]) // 2 :]]
+    half = len(packs) // 2
+    return [MicroBatch.of_packs(packs[:half]), MicroBatch.of_packs(packs[half:])]
 
 
 _WORLD = World()
@@ -1849,6 +2033,8 @@ class ShardedRollout:
         self.local = local
         self.texts = local.texts  # this rank's rows, in `rows` order
         self.prompt_lengths, self.completion_lengths = prompt_len, completion_len  # (B,) int64 each
+        self.prompt_of_row = torch.full((B,), -1, dtype=torch.int64)  # this rank's rows: which share a prompt
+        self.prompt_of_row[self.rows] = local.prompt_of_row
         self.has_engine_logps = local.has_engine_logps
         self._position = {r: i for i, r in enumerate(self.rows)}
 

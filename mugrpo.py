@@ -330,7 +330,6 @@ def main(args: Args) -> None:
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout)
         mask = common.completion_mask_of(rollout)  # (B, T)
-        lengths = common.row_lengths(rollout)  # (B,) prompt + completion tokens per row
         with timers("train"):
             # The first mini-batch is trained under the weights that would give old_logp: its old_logp is the
             # detached log-prob of its own first forward pass (same numbers, one forward pass saved).
@@ -387,8 +386,8 @@ def main(args: Args) -> None:
                     "mismatch_triggers": 0.0,
                 }
                 optimizer.zero_grad(set_to_none=True)
-                for micro in common.micro_batches(rollout.own(mb_rows), lengths, args.micro_batch_tokens):
-                    tb = common.rows_batch(rollout, micro, pad_id)  # (b, L) [left-padded prompt | completion]
+                for micro in common.micro_batches(rollout, rollout.own(mb_rows), args.micro_batch_tokens, model):
+                    tb = common.rows_batch(rollout, micro, pad_id)  # padded rows or packed groups
                     logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
                     T_m = logp.shape[1]
                     micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)

@@ -33,7 +33,7 @@ def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages)
     lengths = [len(rollout.prompt(r)) + len(rollout.completion(r)) for r in rows]
     mask = common.completion_mask_of(rollout)
     mb_tokens = mask.sum().item()
-    micros = common.micro_batches(rows, lengths, budget)
+    micros = common.micro_batches(rollout, rows, budget)  # padded rows (no model: no packing), as measured
     padded = sum(len(m) * max(lengths[r] for r in m) for m in micros)
     model.zero_grad(set_to_none=True)
     import ctypes

@@ -177,7 +177,6 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     else:
         rollout = full
     mask = common.completion_mask_of(rollout)  # (B, T) from every row's length
-    lengths = common.row_lengths(rollout)
     results = {}
     for name, agg, loss_fn in losses():
         common.seed_everything(0)
@@ -196,7 +195,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
         own = rollout.own(minibatch)
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
-        for micro in common.micro_batches(own, lengths, 16):  # a small budget: several micro-batches per rank
+        for micro in common.micro_batches(rollout, own, 16, model):  # a small budget: several micro-batches per rank
             tb = common.rows_batch(rollout, micro, tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0)
             micro_mask = tb.completion_mask

@@ -172,8 +172,9 @@ def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
 
 
 def test_micro_batches_respect_budget_and_cover_rows():
-    lengths = [10, 3, 7, 7, 2, 9]
-    mbs = common.micro_batches(range(6), lengths, token_budget=16)
+    lengths = [10, 3, 7, 7, 2, 9]  # prompt + completion tokens of 6 rows with distinct prompts
+    ro = common.RolloutBatch.from_rows([[r + 3] for r in range(6)], [[5] * (n - 1) for n in lengths])
+    mbs = common.micro_batches(ro, range(6), token_budget=16)
     assert sorted(r for mb in mbs for r in mb) == list(range(6))
     for mb in mbs:
         assert len(mb) == 1 or max(lengths[r] for r in mb) * len(mb) <= 16
