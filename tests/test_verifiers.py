@@ -27,8 +27,8 @@ import verifiers as V
 DETECTED_MODE = V.sandbox_mode()
 MODES = [DETECTED_MODE] + (["fallback"] if DETECTED_MODE != "fallback" else [])
 NAMESPACE_MODES = [m for m in MODES if m != "fallback"]
-# the attack tests also run with the host's /proc where the private one works (both must hold)
-ATTACK_MODES = MODES + (["namespaces-hostproc"] if DETECTED_MODE == "namespaces" else [])
+# the attack tests also run without /proc where the private one works (both must hold)
+ATTACK_MODES = MODES + (["namespaces-noproc"] if DETECTED_MODE == "namespaces" else [])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,13 +76,39 @@ def _sandbox_dirs() -> set[str]:
     return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
 
 
+def _sandbox_cgroups() -> set[str]:
+    """The runs' cgroups (one per run and hierarchy, removed by the trainer after the run)."""
+    return {
+        os.path.join(parent, name)
+        for parent, _ in V._cgroup_parents()
+        for name in os.listdir(parent)
+        if name.startswith(V._SANDBOX_CGROUP_PREFIX)
+    }
+
+
+def _ipc_objects() -> set[str]:
+    """The host's SysV shared memory segments, message queues and semaphore sets (key and id)."""
+    found = set()
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                found |= {f"{kind} " + " ".join(line.split()[:2]) for line in f.readlines()[1:]}
+        except OSError:
+            pass
+    return found
+
+
 @pytest.fixture
 def clean_sandbox():
-    """After the test: no sandboxed process is alive and no sandbox folder remains."""
-    before = _sandbox_dirs()
+    """After the test: no sandboxed process is alive, and nothing of a run outlives it: no sandbox
+    folder, no cgroup, no IPC object, the host's name unchanged."""
+    before = _sandbox_dirs(), _sandbox_cgroups(), _ipc_objects(), socket.gethostname()
     yield
     assert _sandbox_pids() == [], "sandboxed processes survived the run"
-    assert _sandbox_dirs() - before == set(), "a sandbox temporary folder was left behind"
+    assert _sandbox_dirs() - before[0] == set(), "a sandbox temporary folder was left behind"
+    assert _sandbox_cgroups() - before[1] == set(), "a run's cgroup was left behind"
+    assert _ipc_objects() - before[2] == set(), "an IPC object outlived its run"
+    assert socket.gethostname() == before[3], "a run changed the host's name"
 
 
 # A HumanEval-style problem whose test passes unless the sandbox catches the hostile behaviour.
@@ -395,10 +421,10 @@ def test_code_reward_reports_infrastructure_failure(monkeypatch, clean_sandbox):
     assert V.code_verdict("    return a + b\n", ADD).status == "error"
     assert V.code_reward("    return a + b\n", ADD) is None
 
-    def no_tmp(*args, **kwargs):
-        raise OSError("disk full")
+    def no_file(*args, **kwargs):
+        raise OSError("out of memory")
 
-    monkeypatch.setattr(V.tempfile, "mkdtemp", no_tmp)
+    monkeypatch.setattr(V, "_anonymous_file", no_file)
     assert V.code_reward("    return a + b\n", ADD) is None
 
 
@@ -452,12 +478,25 @@ def test_builtins_shadowing_is_not_inherited_by_tests(clean_sandbox):
     assert V.code_rewards_batch([honest, cheat], [problem, problem]) == [1.0, 0.0]
 
 
+@pytest.fixture
+def witness_fifo():
+    """A FIFO any uid may write, where a program can see it: the namespace modes hide the host's
+    /tmp (pytest's tmp_path), so it lives in /var/tmp."""
+    folder = tempfile.mkdtemp(prefix="verifiers-witness-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    os.chmod(folder, 0o755)
+    fifo = os.path.join(folder, "witness")
+    os.mkfifo(fifo, 0o666)
+    os.chmod(fifo, 0o666)
+    yield fifo
+    os.unlink(fifo)
+    os.rmdir(folder)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_setsid_grandchild_never_writes_after_timeout(mode, tmp_path, clean_sandbox):
+def test_setsid_grandchild_never_writes_after_timeout(mode, witness_fifo, clean_sandbox):
     """The witness is a FIFO (a special file: writable even on the read-only file system of the
     namespace modes): the program writes to it in time, a setsid grandchild would write later."""
-    fifo = tmp_path / "witness"
-    os.mkfifo(fifo)
+    fifo = witness_fifo
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     write = f"import os; fd = os.open({str(fifo)!r}, os.O_WRONLY | os.O_NONBLOCK); os.write(fd, b'%s')"
     grandchild = "import time; time.sleep(1.5); " + write % "escaped"
@@ -961,16 +1000,15 @@ def test_arith_reward_long_integers():
 
 @pytest.mark.parametrize("mode", [m for m in ATTACK_MODES if m != "fallback"])
 def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
-    """Sibling samples of the same problem run at the same time: their folders (programs, outputs)
-    must be out of a program's sight, and nothing of the run's secrets exists as a file."""
-    parent = getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()
-    decoy = os.path.join(parent, f"decoy-{secrets.token_hex(6)}")
+    """Sibling samples of the same problem run at the same time: nothing of another run (or of the
+    host's temporary folder) is in a program's sight, and nothing of the run's secrets exists as a
+    file: its /tmp starts empty and is its own."""
+    decoy = os.path.join(tempfile.gettempdir(), f"decoy-{secrets.token_hex(6)}")
     os.mkdir(decoy)
     try:
         program = (
             "import os\n"
-            f"SEEN = os.path.exists({decoy!r}) or any(os.listdir(os.path.dirname(os.getcwd())) != ['work'] for _ in [0])\n"
-            "SEEN = SEEN or any(n.endswith('.json') for n in os.listdir(os.path.dirname(os.getcwd())))\n"
+            f"SEEN = os.path.exists({decoy!r}) or os.listdir(os.getcwd()) != [] or os.listdir('/tmp') != []\n"
             "\ndef add(a, b):\n    return 0 if SEEN else a + b\n"
         )
         verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
