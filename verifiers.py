@@ -1214,8 +1214,9 @@ import builtins, json, os, signal, sys
 
 # Trusted code, run as `python -I -S -c` (no site processing, no script directory on sys.path)
 # by the trainer. Three stages in the namespace modes:
-#   stage 0 (the trainer's child, on the host): joins the run's cgroups, forks stage 1 and writes
-#     its uid/gid maps (host root: 0 -> 0 for the judge, 65534 -> 65534 for the program);
+#   stage 0 (the trainer's child, on the host; moved into the run's cgroups before it may fork):
+#     forks stage 1 and writes its uid/gid maps (host root: 0 -> 0 for the judge, 65534 -> 65534 for
+#     the program);
 #   stage 1: unshares user, mount, IPC, UTS, network, PID and cgroup namespaces, forks the judge;
 #   the JUDGE (pid 1 of the new PID namespace): builds the program's view of the machine, holds the
 #     tokens and the tests, never runs the program. When it exits, every process of the run dies.
@@ -1725,13 +1726,13 @@ def judge_stdio(job, secret_fd, status_fd):
 
 def main():
     import resource
-    status_fd, job_fd, secret_fd = map(int, sys.argv[1:4])
+    status_fd, job_fd, secret_fd, go_fd = map(int, sys.argv[1:5])
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
     with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
         job = json.loads(f.read())
-    for fd in job["cgroup_fds"]:  # the run's cgroups, before any child exists: all of the run is inside
-        os.write(fd, b"0")
-        os.close(fd)
+    if os.read(go_fd, 1) != b"1":  # the trainer has moved us into the run's cgroups: fork only after that
+        os._exit(3)
+    os.close(go_fd)
     if job["sandbox"] != "fallback":
         enter_namespaces(job)
         build_view(job)
@@ -1984,8 +1985,8 @@ def _alive(pid: int) -> bool:
 
 
 def _make_run_cgroups(run_id: str) -> tuple[list[str], list[int]]:
-    """This run's cgroups with their limits, and an open `cgroup.procs` of each (the harness
-    writes itself into them before it forks). Nothing (and a warning, once) if one cannot be made."""
+    """This run's cgroups with their limits, and an open `cgroup.procs` of each. Nothing (and a
+    warning, once) if one cannot be made."""
     global _cgroup_warned
     made, fds = [], []
     try:
@@ -2008,6 +2009,17 @@ def _make_run_cgroups(run_id: str) -> tuple[list[str], list[int]]:
             _remove_cgroup(path)
         return [], []
     return made, fds
+
+
+def _join_run_cgroups(procs_fds: list[int], pid: int) -> None:
+    global _cgroup_warned
+    try:
+        for fd in procs_fds:
+            os.write(fd, str(pid).encode())
+    except OSError as exc:
+        if not _cgroup_warned:
+            _cgroup_warned = True
+            log.warning("code sandbox: a run could not join its cgroup (%s); per-process limits only", exc)
 
 
 def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
@@ -2204,6 +2216,8 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
             cgroups, cgroup_fds = _make_run_cgroups(run_id)
             handles += cgroup_fds
             read_fd, write_fd = os.pipe()
+            go_read, go_write = os.pipe()
+            handles += [go_read, go_write]
             # what the runner (the program's process) may know; the rest is read by the judge only
             # after the runner has been forked (the runner closes that file first)
             public = {key: value for key, value in job.items() if key != "secret"}
@@ -2222,7 +2236,6 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
                 message=SANDBOX_MESSAGE_BYTES,
                 tmp_bytes=SANDBOX_TMP_BYTES,
                 tmp_inodes=SANDBOX_TMP_INODES,
-                cgroup_fds=cgroup_fds,
             )
             secret = dict(job["secret"], start_token=start_token, pass_token=pass_token)
             outputs = [_anonymous_file("sandbox-stdout"), _anonymous_file("sandbox-stderr")]
@@ -2240,9 +2253,9 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
                 "MKL_NUM_THREADS": "1",
                 _SANDBOX_MARKER: run_id,
             }
-            fds = (write_fd, handles[-2], handles[-1], *cgroup_fds)
+            fds = (write_fd, handles[-2], handles[-1], go_read)
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _HARNESS_SRC, *map(str, fds[:3])],
+                [sys.executable, "-I", "-S", "-c", _HARNESS_SRC, *map(str, fds)],
                 cwd=work if mode == "fallback" else "/",
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -2251,6 +2264,10 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
                 start_new_session=True,
                 pass_fds=fds,
             )
+            # into the run's cgroups while its interpreter starts (an attach can wait ~15 ms for the
+            # kernel); it forks only after the go byte, so every process of the run is inside
+            _join_run_cgroups(cgroup_fds, proc.pid)
+            os.write(go_write, b"1")
         finally:
             for fd in (write_fd, *handles):
                 if fd >= 0:

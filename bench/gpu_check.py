@@ -1,6 +1,6 @@
 """One command that runs every script end to end on a CUDA device and writes what it measured to one folder.
 
-    python bench/gpu_check.py --export-assets        # here, once: the embedded model's tokenizer (2.2 MB) into the
+    python bench/gpu_check.py --export-assets        # here, once: the embedded model's tokenizer (3.4 MiB) into the
                                                      # git-ignored bench/gpu_assets/, which travels with `carry`
     python bench/gpu_check.py                        # on the GPU machine: about 6-8 minutes on an H200
     python bench/gpu_check.py --device cpu           # the CPU dry run (tiny shapes, about 2 minutes on 2 cores;

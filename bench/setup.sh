@@ -6,7 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 before=$($PY -c "import torch, transformers; print(torch.__version__, transformers.__version__)")
-[ -x bench/.venv/bin/python ] || $PY -m venv --system-site-packages bench/.venv
+if [ ! -x bench/.venv/bin/python ]; then
+  $PY -m venv --system-site-packages bench/.venv
+  # $PY's own packages too when $PY is itself a venv (its site-packages are not "system" ones)
+  site=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$site" > "$(bench/.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/base-packages.pth"
+fi
 bench/.venv/bin/pip install -q "trl==1.16.0"
 after=$(bench/.venv/bin/python -c "import torch, transformers; print(torch.__version__, transformers.__version__)")
 if [ "$before" != "$after" ]; then

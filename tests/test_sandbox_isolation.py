@@ -449,7 +449,8 @@ def _system_python() -> str | None:
 def test_non_root_trainer_gets_the_namespace_sandbox():
     """A trainer run by an ordinary user (here uid 23456, with a system Python that any user can run):
     the namespace mode still works; the program is that user on the host, and its home, /tmp, /run,
-    the devices, /proc/sys and AF_UNIX sockets are out of its reach."""
+    the devices, /proc/sys, AF_UNIX sockets and the judge (the same host uid, not dumpable) are out of its
+    reach."""
     python = _system_python()
     if os.geteuid() != 0 or shutil.which("setpriv") is None or python is None:
         pytest.skip("needs root (to become another user), setpriv and a system python3 any user can run")
@@ -473,6 +474,9 @@ def test_non_root_trainer_gets_the_namespace_sandbox():
             "import os, socket\n" + checks + "try:\n    socket.socket(socket.AF_UNIX)\n    READABLE.append('AF_UNIX')\n"
             "except OSError:\n    pass\n"
             "READABLE += os.listdir('/tmp') + (os.listdir('/run') if os.path.isdir('/run') else [])\n"
+            "for attempt in (lambda: os.readlink('/proc/1/fd/1'), lambda: open('/proc/1/mem', 'rb').read(1),\n"
+            "                lambda: open('/proc/1/environ', 'rb').read(1)):  # the judge, pid 1, same host uid\n"
+            "    try:\n        attempt()\n        READABLE.append('judge')\n    except OSError:\n        pass\n"
             "os.write(2, repr([os.getuid(), READABLE]).encode())\n"
             "\ndef add(a, b):\n    return a + b if not READABLE else 0\n"
         )
