@@ -14,9 +14,9 @@ SmolLM2-135M, the arith task's real prompts (~51 tokens); completions of T rando
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import os
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +60,10 @@ def main() -> None:
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in task.problems[:16]]
     gen = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompts {len(prompts[0])}-"
-          f"{max(map(len, prompts))} tokens; --micro-batch-tokens {a.micro_batch_tokens}; median of {a.repeats}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompts {len(prompts[0])}-"
+        f"{max(map(len, prompts))} tokens; --micro-batch-tokens {a.micro_batch_tokens}; median of {a.repeats}"
+    )
 
     shapes = [(4, 8, 20)] if a.quick else [(4, 8, 20), (4, 4, 20), (4, 16, 20), (4, 8, 64), (2, 8, 256), (1, 8, 1024)]
     print("\n| groups x G | T | tokens per row / packed | micro-batches | per-row s | packed s | ratio |")
@@ -79,8 +81,11 @@ def main() -> None:
                 times[packed].append(s)
                 info[packed] = (n_micro, tokens)
         rows_s, pack_s = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {P} x {G} | {T} | {info[False][1]} / {info[True][1]} | {info[False][0]} / {info[True][0]} | "
-              f"{rows_s:.2f} | {pack_s:.2f} | {pack_s / rows_s:.2f} |", flush=True)
+        print(
+            f"| {P} x {G} | {T} | {info[False][1]} / {info[True][1]} | {info[False][0]} / {info[True][0]} | "
+            f"{rows_s:.2f} | {pack_s:.2f} | {pack_s / rows_s:.2f} |",
+            flush=True,
+        )
     model.zero_grad(set_to_none=True)
 
     gen_shapes = [(8, 8, 32)] if a.quick else [(8, 8, 32), (8, 4, 32), (8, 16, 32), (8, 8, 128)]
@@ -98,8 +103,7 @@ def main() -> None:
                 times[share].append(time.perf_counter() - t0)
         same = sum(outs[True].completion(r) == outs[False].completion(r) for r in range(P * G))
         rows_s, shared_s = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {P} x {G} | {T} | {rows_s:.2f} | {shared_s:.2f} | {shared_s / rows_s:.2f} | {same}/{P * G} |",
-              flush=True)
+        print(f"| {P} x {G} | {T} | {rows_s:.2f} | {shared_s:.2f} | {shared_s / rows_s:.2f} | {same}/{P * G} |", flush=True)
 
 
 if __name__ == "__main__":
