@@ -6,7 +6,7 @@ varies token by token (far more than the ~1e-5 nats of fp32 vLLM, about what a b
 worst tokens). Each correction runs grpo.py's real main() for the same steps, prompts and seeds; the table has the
 step-1 mismatch/ and rollout_is/ metrics and the update's loss and grad norm.
 
-    flock /tmp/cpu.lock python bench/mismatch_demo.py                  # embedded SmolLM2-135M, ~6 minutes on 2 cores
+    flock /tmp/cpu.lock python bench/mismatch_demo.py                  # embedded SmolLM2-135M, ~5 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class PerturbedEngine(common.HFEngine):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-temperature", type=float, default=1.3)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1)
     a = p.parse_args()
     out = tempfile.mkdtemp(prefix="mismatch_demo_")
     common.make_engine = lambda kind, model, tokenizer, **kw: PerturbedEngine(model, tokenizer, a.engine_temperature)
@@ -63,11 +63,11 @@ def main() -> None:
             "--total-steps",
             str(a.steps),
             "--prompts-per-step",
-            "4",
+            "16",
             "--num-generations",
             "8",
             "--max-new-tokens",
-            "24",
+            "48",
             "--eval-limit",
             "4",
             "--eval-samples",
@@ -88,7 +88,7 @@ def main() -> None:
             rows = [json.loads(line) for line in f]
         first = next(r for r in rows if "mismatch/abs_log_rho_mean" in r)
         table[mode] = {k: first.get(k) for k in KEYS}
-    print(f"\nengine T = {a.engine_temperature}, trainer T = 1.0; step 1 of grpo.py (4 prompts x 8, 24 tokens, seed 1)")
+    print(f"\nengine T = {a.engine_temperature}, trainer T = 1.0; step 1 of grpo.py (16 prompts x 8, 48 tokens, seed 1)")
     print("| key | " + " | ".join(MODES) + " |\n|---|" + "---|" * len(MODES))
     for k in KEYS:
         cells = [("" if table[m][k] is None else f"{table[m][k]:.4g}") for m in MODES]
