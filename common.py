@@ -408,7 +408,10 @@ class HFEngine:
                 # consecutive, n of each): generate then runs only the prompts' last token (a prompt of one token
                 # would be all padding in the prefill, so such a chunk keeps the plain path)
                 shared = {}
-                if self.share_prompts and n > 1 and min(len(r) for r in batch) > 1:
+                share = self.share_prompts and n > 1 and min(len(r) for r in batch) > 1
+                if synced:  # the prefill is a collective under FSDP2: every rank takes the same path
+                    share = world().max(float(not share)) == 0.0
+                if share:
                     shared["past_key_values"] = self._prompt_cache(input_ids[::n], attention[::n], n)
                 with autocast_context(model):
                     gen = model.generate(
@@ -1321,7 +1324,9 @@ class Args:
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
     beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
     micro_batch_tokens: int = arg(
-        0, "token budget (rows x padded length) of one forward/backward micro-batch; 0: 1024 on CPU, 16384 on a GPU"
+        0,
+        "token budget of one forward/backward micro-batch, in tokens computed (rows x padded length, or packs x "
+        "longest pack); 0: 1024 on CPU, 16384 on a GPU",
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")

@@ -1318,7 +1318,8 @@ def build_view(job):
     fresh_proc = job["sandbox"] == "namespaces"
     if fresh_proc:  # before any mask: the kernel refuses a new proc where the visible one is covered
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    keep = {path: os.open(path, os.O_PATH) for path in [*(f"/dev/{d}" for d in DEVICES), *view["bind_back"]]}
+    keep = [*(f"/dev/{d}" for d in DEVICES), *view["bind_back"], *view["tmp_bind_back"]]
+    keep = {path: os.open(path, os.O_PATH) for path in keep}
     for cover in view["cover"]:
         mount("tmpfs", cover, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=1024")
         for path in view["bind_back"]:
@@ -1336,10 +1337,13 @@ def build_view(job):
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2"), ("shm", "/tmp")):
         os.symlink(target, f"/dev/{name}")
-    for fd in keep.values():
-        os.close(fd)
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           f"mode=0700,size={job['tmp_bytes']},nr_inodes={job['tmp_inodes']},uid={uid},gid={uid}")
+    for path in view["tmp_bind_back"]:  # an interpreter or venv under /tmp (a CI's fresh venv): bound back read-only
+        os.makedirs(path, exist_ok=True)
+        mount(f"/proc/self/fd/{keep[path]}", path, None, MS_BIND | MS_REC)
+    for fd in keep.values():
+        os.close(fd)
     if os.path.isdir("/run"):
         mount("tmpfs", "/run", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
     write_file("/proc/sys/user/max_user_namespaces", "0")  # no nested user namespace for the program
@@ -1412,7 +1416,7 @@ def seccomp_program():
     userfaultfd, perf_event_open, io_uring, clone with a CLONE_NEW* flag, socket(AF_UNIX) (no path
     to a host service's socket) and socketpair(AF_UNIX) other than SOCK_STREAM. clone3 answers
     ENOSYS (its flags live in memory BPF cannot read; glibc falls back to clone). Any other
-    architecture or the x32 ABI: the process is killed."""
+    architecture: the process is killed (an x32-ABI call: EPERM)."""
     import struct
     ld, jeq, jset, jge, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
     allow, errno_, kill = 0x7FFF0000, 0x00050000, 0x80000000
@@ -1545,7 +1549,7 @@ def runner(job, channel_in, channel_out):
         traceback.print_exc()
         send(RUNNER_OUT, {"loaded": False})
         os._exit(0)
-    send(RUNNER_OUT, {"loaded": True, "functions": sorted(functions)[:1000]})
+    send(RUNNER_OUT, {"loaded": True, "functions": sorted(functions)})  # every name: star imports add hundreds
     while True:
         name, args, kwargs = receive(RUNNER_IN, 1 << 30)
         try:
@@ -1888,14 +1892,24 @@ def _sandbox_view() -> dict:
         if spec is not None and spec.submodule_search_locations:
             masks += [os.path.join(folder, "data") for folder in spec.submodule_search_locations]
         masks = sorted({os.path.realpath(m) for m in masks if m and os.path.isdir(m)})
-        masks = [m for m in masks if not any(_inside(m, c) for c in covers) and not any(_inside(p, m) for p in needed)]
-        _sandbox_view_cache = {"cover": covers, "bind_back": bind_back, "mask_dirs": masks}
+        masks = [m for m in masks if not _hidden_by_cover(m, covers, bind_back) and not any(_inside(p, m) for p in needed)]
+        tmp_bind_back = [p for p in needed if _inside(p, "/tmp")]
+        tmp_bind_back = [p for p in tmp_bind_back if not any(p != o and _inside(p, o) for o in tmp_bind_back)]
+        _sandbox_view_cache = {"cover": covers, "bind_back": bind_back, "tmp_bind_back": tmp_bind_back, "mask_dirs": masks}
     view = dict(_sandbox_view_cache)
-    hidden = [*view["cover"], *view["mask_dirs"]]
     view["mask_files"] = sorted(
-        f for f in _SANDBOX_HIDDEN_FILES if os.path.isfile(f) and not any(_inside(f, h) for h in hidden)
+        f
+        for f in _SANDBOX_HIDDEN_FILES
+        if os.path.isfile(f)
+        and not _hidden_by_cover(f, view["cover"], view["bind_back"])
+        and not any(_inside(f, m) for m in view["mask_dirs"])
     )
     return view
+
+
+def _hidden_by_cover(path: str, covers, bind_back) -> bool:
+    """Under a cover and not re-exposed by a folder bound back under it (a venv in the home, say)."""
+    return any(_inside(path, c) for c in covers) and not any(_inside(path, b) for b in bind_back)
 
 
 # ----- per-run cgroups: memory and processes of the whole run, not per process
@@ -1963,8 +1977,12 @@ def _cgroup_parents() -> list[tuple[str, list[tuple[str, str, bool]]]]:
         except (OSError, ValueError) as exc:
             log.debug("code sandbox: no cgroups (%s)", exc)
             parents = []
-        for parent, _ in parents:
-            for name in os.listdir(parent):
+        for parent, _ in parents:  # the cgroups of trainers that died; a sweep that cannot list skips it
+            try:
+                names = os.listdir(parent)
+            except OSError:
+                names = []
+            for name in names:
                 owner = name[len(_SANDBOX_CGROUP_PREFIX) :].split("-")[0]
                 if name.startswith(_SANDBOX_CGROUP_PREFIX) and owner.isdigit() and not _alive(int(owner)):
                     _remove_cgroup(os.path.join(parent, name), wait_s=0.1)

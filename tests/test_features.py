@@ -157,7 +157,8 @@ def test_custom_reward_from_file_and_module(toy, monkeypatch):
 
 def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
     rows = [{"problem": "What is 1+1?", "solution": "so \\boxed{2}", "level": "Level 1", "id": 7}]
-    problems = verifiers._rows_to_problems(rows, "math", "problem", "solution", "boxed", "x")
+    problems, where = verifiers._rows_to_problems(rows, "math", "problem", "solution", "boxed", "x")
+    assert where == ["dataset x, row 1"]  # where each problem comes from, for the gold check's messages
     assert problems == [
         {
             "problem": "What is 1+1?",
@@ -168,7 +169,7 @@ def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
             "answer": "2",
         }
     ]
-    gsm = verifiers._rows_to_problems(
+    gsm, _ = verifiers._rows_to_problems(
         [{"question": "q", "answer": "work #### 1,234"}], "math", "question", "answer", "gsm8k", "x"
     )
     assert gsm == [{"question": "q", "answer": "1234"}]  # question/answer are still the normalised ones

