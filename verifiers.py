@@ -1339,9 +1339,19 @@ def build_view(job):
         os.symlink(target, f"/dev/{name}")
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
           f"mode=0700,size={job['tmp_bytes']},nr_inodes={job['tmp_inodes']},uid={uid},gid={uid}")
-    for path in view["tmp_bind_back"]:  # an interpreter or venv under /tmp (a CI's fresh venv): bound back read-only
-        os.makedirs(path, exist_ok=True)
-        mount(f"/proc/self/fd/{keep[path]}", path, None, MS_BIND | MS_REC)
+    for path in view["tmp_bind_back"]:  # an interpreter or venv under /tmp (a CI's fresh venv): bound back read-only,
+        os.makedirs(path, exist_ok=True)  # entry by entry into a fresh 0755 folder (mktemp's 0700 would stop the uid)
+        source = f"/proc/self/fd/{keep[path]}"
+        for name in os.listdir(source):
+            entry, target = os.path.join(source, name), os.path.join(path, name)
+            if os.path.islink(entry):
+                os.symlink(os.readlink(entry), target)
+                continue
+            if os.path.isdir(entry):
+                os.makedirs(target, exist_ok=True)
+            else:
+                open(target, "w").close()
+            mount(entry, target, None, MS_BIND | MS_REC)
     for fd in keep.values():
         os.close(fd)
     if os.path.isdir("/run"):

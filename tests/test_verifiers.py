@@ -1006,9 +1006,13 @@ def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
     decoy = os.path.join(tempfile.gettempdir(), f"decoy-{secrets.token_hex(6)}")
     os.mkdir(decoy)
     try:
+        # only an interpreter that lives under /tmp (a CI's fresh venv) is bound back there, read-only
+        expected = sorted({p.split("/")[2] for p in V._sandbox_view()["tmp_bind_back"]})
         program = (
             "import os\n"
-            f"SEEN = os.path.exists({decoy!r}) or os.listdir(os.getcwd()) != [] or os.listdir('/tmp') != []\n"
+            f"TMP = sorted(os.listdir('/tmp')) != {expected!r}\n"
+            f"CWD = sorted(os.listdir(os.getcwd())) != ({expected!r} if os.getcwd() == '/tmp' else [])\n"
+            f"SEEN = os.path.exists({decoy!r}) or TMP or CWD\n"
             "\ndef add(a, b):\n    return 0 if SEEN else a + b\n"
         )
         verdict = V.code_verdict(program, ADD, timeout=5.0, mode=mode)
