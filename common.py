@@ -333,9 +333,12 @@ class RolloutBatch:
 
 
 class HFEngine:
-    """transformers `generate` on the trainer's own model object (no weight copy: push_weights is a no-op).
+    """The trainer's own model object as the rollout engine (no weight copy: push_weights is a no-op).
 
-    Batched with left padding and the KV cache; completions end at the first EOS (kept) or at max tokens."""
+    A sampling loop over the model's forward and a KV cache: each distinct prompt is prefilled once and its cache
+    repeated for its n rows, and a row that has ended (EOS) leaves the batch, so every step computes only the rows
+    still running. The sampler is transformers' own: softmax(logits / T), then torch.multinomial over every row of
+    the chunk with ended rows fixed to the pad id, so a seed draws the same tokens as `model.generate` (tests)."""
 
     name = "hf"
 
@@ -348,7 +351,8 @@ class HFEngine:
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.eos_ids.add(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.share_prompts = True  # prefill each distinct prompt once (False: every row, as benchmarks compare)
+        self.use_generate = False  # True: transformers' generate, every row prefilled (the reference tests compare to)
+        self.min_new_tokens = 0  # benchmarks only: EOS is not sampled before this many tokens (full-length rows)
 
     def generate(
         self,
@@ -373,67 +377,34 @@ class HFEngine:
         self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, desc: str, progress: bool
     ) -> RolloutBatch:
         from tqdm.auto import tqdm
-        from transformers import GenerationConfig
 
         synced = world().enabled
         if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
             raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
-
         model = self.model
         was_training = model.training
         model.eval()
-        use_cache = model.config.use_cache
-        model.config.use_cache = True
-        config = self.sampling_config(max_new_tokens, temperature)
         rows = [ids for ids in prompt_ids for _ in range(n)]
         out = RolloutBatch(with_engine_logps=self.return_logps)
         device = next(model.parameters()).device
-        # prompts of the same length batch together with little padding; keep group order in the output
+        # chunks of whole groups, in group order (prompts of similar length batch with little padding)
         chunk = max(n, (self.gen_batch_size // n) * n)
         bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
-        # generate() fills every field left None in `config` from model.generation_config (a Qwen-Instruct
-        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
-        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
+        sample = self._sample_with_generate if self.use_generate else self._sample
         try:
             for start in range(0, len(rows), chunk):
                 batch = rows[start : start + chunk]
                 width = max(len(r) for r in batch)
                 input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
                 attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, r in enumerate(batch):
+                for i, r in enumerate(batch):  # left padding: every row's next token goes in the same column
                     input_ids[i, width - len(r) :] = torch.tensor(r)
                     attention[i, width - len(r) :] = 1
-                input_ids, attention = input_ids.to(device), attention.to(device)
-                # each distinct prompt prefilled once, its KV cache repeated for its n rows (rows of one prompt are
-                # consecutive, n of each): generate then runs only the prompts' last token (a prompt of one token
-                # would be all padding in the prefill, so such a chunk keeps the plain path)
-                shared = {}
-                share = self.share_prompts and n > 1 and min(len(r) for r in batch) > 1
-                if synced:  # the prefill is a collective under FSDP2: every rank takes the same path
-                    share = world().max(float(not share)) == 0.0
-                if share:
-                    shared["past_key_values"] = self._prompt_cache(input_ids[::n], attention[::n], n)
                 with autocast_context(model):
-                    gen = model.generate(
-                        input_ids=input_ids,
-                        attention_mask=attention,
-                        generation_config=config,
-                        synced_gpus=synced,
-                        **shared,
+                    new_tokens, step_logps = sample(
+                        input_ids.to(device), attention.to(device), n, max_new_tokens, temperature, synced
                     )
-                new_tokens = gen.sequences[:, width:].cpu()
-                if self.return_logps:
-                    # scores: T tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
-                    step_logps = torch.stack(
-                        [
-                            torch.log_softmax(s.float(), dim=-1)
-                            .gather(1, new_tokens[:, t : t + 1].to(s.device))
-                            .squeeze(1)
-                            .cpu()
-                            for t, s in enumerate(gen.scores)
-                        ],
-                        dim=1,
-                    )
+                new_tokens = new_tokens.cpu()
                 for i in range(len(batch)):
                     toks = new_tokens[i].tolist()
                     end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
@@ -446,33 +417,109 @@ class HFEngine:
                         completion,
                         self.tokenizer.decode(completion, skip_special_tokens=True),
                         reason,
-                        step_logps[i, : len(completion)] if self.return_logps else None,
+                        step_logps[i, : len(completion)].cpu() if self.return_logps else None,
                     )
                 bar.update(len(batch))
         finally:
             bar.close()
-            model.generation_config = model_generation_config
-            model.config.use_cache = use_cache
             model.train(was_training)
         return out
 
-    def _prompt_cache(self, input_ids: torch.Tensor, attention: torch.Tensor, n: int):
-        """The KV cache of the prompts (p, w) but their last token, each repeated n times along the batch."""
+    def _sample(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float, synced: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
+        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
-        ids, att = input_ids[:, :-1], attention[:, :-1]
-        with autocast_context(self.model):
-            self.model(
-                input_ids=ids,
-                attention_mask=att,
-                position_ids=(att.cumsum(-1) - 1).clamp(min=0),
+        model = self.model
+        R, W = input_ids.shape
+        device = input_ids.device
+        # prefill each distinct prompt once; its cache and its last position's logits are repeated for its n rows
+        cache = DynamicCache(config=model.config)
+        prompt_ids, prompt_mask = input_ids[::n], attention[::n]
+        logits = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        mask = torch.cat([attention, attention.new_ones(R, max_new_tokens)], dim=1)  # (R, W + T): prompt, then new
+        prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((R, max_new_tokens), device=device) if self.return_logps else None
+        ended = torch.zeros(R, dtype=torch.bool, device=device)
+        running = torch.arange(R, device=device)  # the chunk rows the cache holds, in its order
+        t = 0
+        while True:
+            if not bool(ended.all()):  # (a synced rank whose rows have all ended only steps for the collectives)
+                # transformers' sampler (GenerationMixin._sample), so a seed draws the same tokens
+                scores = logits.float()  # (L, V): the running rows
+                if t < self.min_new_tokens:
+                    scores[:, eos] = -math.inf
+                if temperature != 1.0:
+                    scores = scores / temperature
+                probs = scores.new_zeros((R, scores.shape[-1]))
+                probs[:, self.pad_id] = 1.0  # an ended row: any valid distribution, its draw is replaced by pad
+                probs[running] = torch.softmax(scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # (R,), from R x V random draws
+                next_tokens[ended] = self.pad_id
+                tokens[:, t] = next_tokens
+                if logps is not None:
+                    picked = next_tokens[running, None]
+                    logps[running, t] = torch.log_softmax(scores, dim=-1).gather(1, picked).squeeze(1)
+                ended |= torch.isin(next_tokens, eos)
+            t += 1
+            all_ended = bool(ended.all())
+            if synced:  # every rank steps until all have ended: FSDP's forwards are collectives
+                all_ended = world().max(float(not all_ended)) == 0.0
+            if t == max_new_tokens or all_ended:
+                break
+            going_on = (~ended[running]).nonzero().squeeze(1)
+            if 0 < len(going_on) < len(running):  # ended rows leave the cache (a synced rank keeps its last ones)
+                cache.batch_select_indices(going_on)
+                running = running[going_on]
+            # each running row's last token at its next position, against its prompt and its own past
+            logits = model(
+                input_ids=tokens[running, t - 1 : t],
+                attention_mask=mask[running, : W + t],
+                position_ids=(prompt_len[running] + t - 1)[:, None],
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=1,
+            ).logits[:, -1]
+        return tokens[:, :t], logps[:, :t] if logps is not None else None
+
+    def _sample_with_generate(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float, synced: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The same through transformers' `generate`, every row prefilled and stepped to the chunk's longest row."""
+        from transformers import GenerationConfig
+
+        model = self.model
+        # generate() fills every field left None in its config from model.generation_config (a Qwen-Instruct
+        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
+        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            gen = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                generation_config=self.sampling_config(max_new_tokens, temperature),
+                synced_gpus=synced,
             )
-        cache.batch_repeat_interleave(n)
-        return cache
+        finally:
+            model.generation_config = model_generation_config
+        new_tokens = gen.sequences[:, input_ids.shape[1] :]
+        if not self.return_logps:
+            return new_tokens, None
+        # scores: t tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
+        scores = torch.stack(gen.scores, dim=1).float()  # (R, t, V)
+        return new_tokens, torch.log_softmax(scores, dim=-1).gather(2, new_tokens[..., None]).squeeze(2)
 
     def sampling_config(self, max_new_tokens: int, temperature: float):
         """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
@@ -485,6 +532,7 @@ class HFEngine:
             top_k=0,
             top_p=1.0,
             max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_new_tokens or None,
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids),
             use_cache=True,

@@ -3,12 +3,15 @@
 Training pass: the forward + backward of grpo.py's update (micro_batches at --micro-batch-tokens, completion_logps,
 grpo.compute_policy_loss, backward per micro-batch) over P groups of G rows, packed groups (micro_batches with the
 model: the cost rule decides per group) against padded rows (micro_batches without the model: today's layout).
-Generation: HFEngine.generate of P prompts x G with the shared prefill against every row prefilled. Embedded
-SmolLM2-135M, the arith task's real prompts (~51 tokens); completions of T random tokens for the training shapes
-(EOS never sampled: every completion has exactly T tokens), real sampled completions for generation.
+Generation: HFEngine.generate of P prompts x G, the engine's sampling loop (each prompt prefilled once, ended rows
+out of the batch) against transformers' generate on every row (HFEngine.use_generate: every row prefilled and
+stepped until the chunk's longest row ends), same seed. Embedded SmolLM2-135M, the arith task's real prompts (~51
+tokens); completions of T random tokens for the training shapes (EOS never sampled: every completion has exactly T
+tokens), real sampled completions for generation (natural EOS, at most T tokens).
 
     flock /tmp/cpu.lock python bench/shared_prefix.py                     # every shape below, ~25 min on 2 cores
     flock /tmp/cpu.lock python bench/shared_prefix.py --quick             # the default shape only
+    flock /tmp/cpu.lock python bench/shared_prefix.py --only generation   # generation only
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
+    p.add_argument("--only", choices=["training", "generation"], help="one of the two tables")
     a = p.parse_args()
     common.set_cpu_threads()
     cpu = torch.device("cpu")
@@ -65,9 +69,10 @@ def main() -> None:
         f"{max(map(len, prompts))} tokens; --micro-batch-tokens {a.micro_batch_tokens}; median of {a.repeats}"
     )
 
-    shapes = [(4, 8, 20)] if a.quick else [(4, 8, 20), (4, 4, 20), (4, 16, 20), (4, 8, 64), (2, 8, 256), (1, 8, 1024)]
-    print("\n| groups x G | T | tokens per row / packed | micro-batches | per-row s | packed s | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    shapes = [] if a.only == "generation" else [(4, 8, 20)] if a.quick else TRAIN_SHAPES
+    if shapes:
+        print("\n| groups x G | T | tokens per row / packed | micro-batches | per-row s | packed s | ratio |")
+        print("|---|---|---|---|---|---|---|")
     for P, G, T in shapes:
         rollout = common.RolloutBatch.from_rows(
             [prompts[g] for g in range(P) for _ in range(G)],
@@ -88,23 +93,32 @@ def main() -> None:
         )
     model.zero_grad(set_to_none=True)
 
-    gen_shapes = [(8, 8, 32)] if a.quick else [(8, 8, 32), (8, 4, 32), (8, 16, 32), (8, 8, 128)]
+    gen_shapes = [] if a.only == "training" else [(8, 8, 32)] if a.quick else GEN_SHAPES
     engine = common.HFEngine(model, tokenizer, gen_batch_size=64)
-    print("\n| prompts x G | new tokens | per-row s | shared s | ratio | completions identical |")
-    print("|---|---|---|---|---|---|")
+    if gen_shapes:
+        print("\n| prompts x G | max new tokens | mean / longest completion | generate s | loop s | ratio | identical |")
+        print("|---|---|---|---|---|---|---|")
     for P, G, T in gen_shapes:
-        times, outs = {False: [], True: []}, {}
+        times, outs = {True: [], False: []}, {}
         for _ in range(a.repeats):
-            for share in (False, True):
-                engine.share_prompts = share
+            for use_generate in (True, False):  # interleaved: background load hits both alike
+                engine.use_generate = use_generate
                 torch.manual_seed(1)
                 t0 = time.perf_counter()
-                outs[share] = engine.generate(prompts[:P], G, T, 1.0, progress=False)
-                times[share].append(time.perf_counter() - t0)
+                outs[use_generate] = engine.generate(prompts[:P], G, T, 1.0, progress=False)
+                times[use_generate].append(time.perf_counter() - t0)
         same = sum(outs[True].completion(r) == outs[False].completion(r) for r in range(P * G))
-        rows_s, shared_s = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {P} x {G} | {T} | {rows_s:.2f} | {shared_s:.2f} | {shared_s / rows_s:.2f} | {same}/{P * G} |", flush=True)
+        lengths = outs[False].completion_lengths.float()
+        generate_s, loop_s = statistics.median(times[True]), statistics.median(times[False])
+        print(
+            f"| {P} x {G} | {T} | {lengths.mean():.1f} / {int(lengths.max())} | {generate_s:.2f} | {loop_s:.2f} | "
+            f"{loop_s / generate_s:.2f} | {same}/{P * G} |",
+            flush=True,
+        )
 
+
+TRAIN_SHAPES = [(4, 8, 20), (4, 4, 20), (4, 16, 20), (4, 8, 64), (2, 8, 256), (1, 8, 1024)]
+GEN_SHAPES = [(8, 8, 32), (8, 4, 32), (8, 16, 32), (4, 8, 64), (2, 8, 256), (1, 8, 1024)]
 
 if __name__ == "__main__":
     main()
