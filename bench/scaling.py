@@ -83,15 +83,7 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
     import common
     import grpo
 
-    load_model = common.load_model
-
-    def load_model_min_len(*a, **kw):  # bench-only: EOS suppressed until max_new_tokens (HF generate config)
-        model = load_model(*a, **kw)
-        if force:
-            model.generation_config.min_new_tokens = T
-        return model
-
-    common.load_model = load_model_min_len
+    common.HFEngine.min_new_tokens = T if force else 0  # bench-only: EOS not sampled before T tokens
     out_dir = tempfile.mkdtemp(prefix="bench_scaling_")
     args = grpo.Args(
         model=common.EMBEDDED_MODEL,
@@ -122,7 +114,7 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
         with OthersLoad() as others:
             grpo.main(args)
     finally:
-        common.load_model = load_model
+        common.HFEngine.min_new_tokens = 0
     peak = peak_rss_gb()
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "run", "metrics.jsonl")) if line.strip()]
     rows = [r for r in rows if "perf/rollout_s" in r]

@@ -66,14 +66,7 @@ def child_ours(o) -> dict:
     import grpo
 
     if o.force_length:
-        load_model = common.load_model
-
-        def load_model_min_len(*a, **kw):  # bench-only: EOS suppressed until max_new_tokens (HF generate config)
-            model = load_model(*a, **kw)
-            model.generation_config.min_new_tokens = o.max_new_tokens
-            return model
-
-        common.load_model = load_model_min_len
+        common.HFEngine.min_new_tokens = o.max_new_tokens  # bench-only: EOS not sampled before the maximum
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     args = grpo.Args(
         model=common.EMBEDDED_MODEL,
@@ -211,7 +204,7 @@ def child_trl(o) -> dict:
 # parent
 
 
-def run_child(side: str, o, log_dir: str, tag: str) -> dict:
+def run_child(side: str, o, log_dir: str, tag: str, seed: int) -> dict:
     out_json = os.path.join(log_dir, f"{tag}_{side}.json")
     cmd = [
         o.python,
@@ -229,7 +222,7 @@ def run_child(side: str, o, log_dir: str, tag: str) -> dict:
         "--max-new-tokens",
         str(o.max_new_tokens),
         "--seed",
-        str(o.seed),
+        str(seed),
     ]
     cmd += ["--force-length"] if o.force_length else []
     cmd += ["--trl-gradient-checkpointing"] if o.trl_gradient_checkpointing else []
@@ -315,7 +308,7 @@ def main():
     p.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
     p.add_argument("--G", type=int, default=8, help="generations per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="repeat r runs both sides with seed + r (its own prompts and draws)")
     p.add_argument("--force-length", action="store_true", help="min_new_tokens = max_new_tokens on both sides")
     p.add_argument(
         "--trl-gradient-checkpointing",
@@ -338,7 +331,7 @@ def main():
     for rep in range(o.repeats):
         order = ["ours", "trl"] if rep % 2 == 0 else ["trl", "ours"]
         for side in order:
-            runs.append(run_child(side, o, log_dir, f"r{rep}"))
+            runs.append(run_child(side, o, log_dir, f"r{rep}", o.seed + rep))
     table, ratios = summarize(runs, o)
     print(table)
     with open(os.path.join(log_dir, "summary.json"), "w") as f:
