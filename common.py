@@ -1377,7 +1377,7 @@ class Args:
         "longest pack); 0: 1024 on CPU, 16384 on a GPU",
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(64, "sequences per transformers-generate call (hf engine)")
+    gen_batch_size: int = arg(64, "sequences generated together (hf engine; bounds its KV cache)")
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
     dtype: Literal["bf16", "fp16"] = arg(
         "bf16",
