@@ -10,6 +10,10 @@ under `python -m torch.distributed.run --nproc-per-node 2` (gloo on CPU).
                                               grad norm and the updated parameters. control: "average" (FSDP's
                                               default averaging reduce-scatter) or "local_tokens" (per-rank
                                               denominators) are the defects the exactness test must catch.
+  dist_worker.py generate <tiny model> <out.pt>
+                                              the HF engine under FSDP2 (synced): rank 0's rows all end at their
+                                              first token, rank 1's run to the maximum; each rank saves its
+                                              completions, log-probs and its next random draw.
 """
 
 from __future__ import annotations
@@ -229,12 +233,52 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     world.shutdown()
 
 
+# ----- synced generation ------------------------------------------------------------------------------------
+
+
+def generate_setup(rank: int, model, tokenizer) -> tuple[common.HFEngine, list[list[int]]]:
+    """Rank r's engine and prompts. Rank 0: every token ends a row (its rows end after one token, then it only
+    steps for the collectives); rank 1: EOS forbidden until the maximum (it runs every step)."""
+    engine = common.HFEngine(model, tokenizer, gen_batch_size=8, return_logps=True)
+    if rank == 0:
+        engine.eos_ids = set(range(len(tokenizer)))
+    else:
+        engine.min_new_tokens = GEN_MAX_NEW
+    questions = [("What is 1 + 2?", "Hi"), ("Say seven now", "Count to 3")][rank]
+    return engine, [common.format_prompt(tokenizer, q) for q in questions]
+
+
+GEN_MAX_NEW = 9
+
+
+def run_generate(model_path: str, out_path: str) -> None:
+    world = common.init_world()
+    tokenizer = common.load_tokenizer(model_path)
+    model = common.shard_model(common.load_model(model_path, torch.device("cpu")))
+    engine, prompts = generate_setup(world.rank, model, tokenizer)
+    torch.manual_seed(11)
+    ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)
+    result = {
+        "completions": [ro.completion(r) for r in range(len(ro))],
+        "logps": [ro.engine_logp(r) for r in range(len(ro))],
+        "next_draw": torch.rand(3),
+    }
+    torch.save(result, f"{out_path}.rank{world.rank}")
+    del model, engine
+    import gc
+
+    gc.collect()
+    world.shutdown()
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "script":
         run_script(sys.argv[2], sys.argv[3:])
     elif mode == "update":
         run_update(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
+    elif mode == "generate":
+        run_generate(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

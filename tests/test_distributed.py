@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+import common
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -267,6 +268,29 @@ def test_two_rank_smoke_real_engine_then_resume_in_one_process(toy, tmp_path):
     r_orig = [r for r in rows if r.get("step") == 2 and "update" in r and "charts/learning_rate" in r]
     r_res = [r for r in read_rows(tmp_path / "resume_w2") if r.get("step") == 2 and "charts/learning_rate" in r]
     assert [r["update"] for r in r_orig] == [r["update"] for r in r_res]
+
+
+def test_synced_generation_rank_done_early_steps_without_drawing(toy, tmp_path):
+    """The HF engine under FSDP2: rank 0's rows all end at their first token, rank 1's run 9 steps. Rank 0 keeps
+    stepping (its forwards are collectives) without sampling: each rank's completions, log-probs and next random
+    draw equal one unsharded process generating that rank's prompts from the same seed."""
+    from tests.dist_worker import GEN_MAX_NEW, generate_setup
+
+    out = str(tmp_path / "gen.pt")
+    proc = launch(["generate", toy["model"], out], 2, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = tiny.make_tokenizer()
+    for rank in (0, 1):
+        got = torch.load(f"{out}.rank{rank}")
+        model = common.load_model(toy["model"], torch.device("cpu"))
+        engine, prompts = generate_setup(rank, model, tok)
+        torch.manual_seed(11)
+        ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)
+        assert got["completions"] == [ro.completion(r) for r in range(len(ro))], rank
+        assert {len(c) for c in got["completions"]} == ({1} if rank == 0 else {GEN_MAX_NEW})
+        for a, b in zip(got["logps"], (ro.engine_logp(r) for r in range(len(ro)))):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5, rank
+        assert torch.equal(got["next_draw"], torch.rand(3)), rank  # the synced steps drew nothing
 
 
 def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
