@@ -563,7 +563,7 @@ def make_engine(
     return_logps: bool = False,
     dtype: str = "bf16",
 ):
-    """`auto`: vLLM when a GPU and vLLM are present, otherwise transformers generate. `vllm` also runs on CPU
+    """`auto`: vLLM when a GPU and vLLM are present, otherwise the HF engine. `vllm` also runs on CPU
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
     `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):

@@ -2,7 +2,7 @@
 that gapo.py, mugrpo.py and codapo.py are diffed against.
 
 What it does, end to end:
-  1. sample P prompts, generate G completions each (vLLM colocated on GPU, transformers generate elsewhere);
+  1. sample P prompts, generate G completions each (vLLM colocated on GPU, the HF engine elsewhere);
   2. score them with a verifiable reward (verifiers.py);
   3. group-relative advantages  A_i = (r_i - mean_g r) / (std_g r + 1e-4)   (--scale-rewards none: Dr. GRPO);
   4. old log-probs once per rollout batch, then --updates-per-batch optimizer updates on group-shuffled

@@ -7,7 +7,7 @@ model almost never samples its EOS, so every completion has the full length (the
 `--model PATH` uses a real local checkpoint instead.
 
 What runs is the code path of every method script:
-- generation: `common.HFEngine` (transformers `generate`, batched, KV cache);
+- generation: `common.HFEngine` (its sampling loop over the model's forward, batched, KV cache);
 - training: `common.micro_batches` + `common.completion_logps` (chunked, checkpointed LM head) +
   `grpo.compute_policy_loss` (token-mean, clip 0.2) + backward;
 - the optimizer: `common.make_optimizer` (fused AdamW) + grad clipping.

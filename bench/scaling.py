@@ -1,5 +1,5 @@
 """How one step of grpo.py's code path grows with the work: G in (4, 8, 16) x completion length (32, 64, 128)
-at a fixed number of prompts, on CPU with transformers generate and the embedded model.
+at a fixed number of prompts, on CPU with the HF engine and the embedded model.
 
 All cells run in one process after a small warm-up call, one `grpo.main` call per cell (fresh model,
 fresh optimizer, one update per rollout batch); the timed step is the cell's step(s) from its metrics

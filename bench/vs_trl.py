@@ -2,7 +2,8 @@
 
 Both sides: the embedded SmolLM2-135M-Instruct (fp32), the same arithmetic prompts through the same chat
 template in the same order, P prompts x G generations, the same maximum completion length, temperature 1,
-top_p 1, no top-k, transformers `generate` as the rollout engine, one optimizer update per rollout batch
+top_p 1, no top-k, the transformers model's forward as the rollout engine (TRL: `generate`; ours: HFEngine's
+sampling loop, which draws the tokens `generate` draws for the same seed), one optimizer update per rollout batch
 (TRL: num_iterations=1, gradient_accumulation_steps=1; ours: --updates-per-batch 1, so neither computes
 old log-probs), no reference model (beta 0), token-mean loss (TRL "dapo"), no gradient checkpointing, AdamW
 lr 1e-5, grad-norm clip 1.
