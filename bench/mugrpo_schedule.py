@@ -40,6 +40,7 @@ def read_run(run_dir: str) -> dict:
     steps = [r for r in rows if "perf/rollout_s" in r]  # the first update row of each step
     evals = [r for r in rows if "eval/pass@1" in r]
     args = json.load(open(os.path.join(run_dir, "args.json")))
+    process_file = os.path.join(run_dir, "process_s.txt")  # written by main() after the run
     B = args["prompts_per_step"] * args["num_generations"]
     tokens = sum(r["rollout/response_len_mean"] * B for r in steps)
     rollout_s = sum(r["perf/rollout_s"] for r in steps)
@@ -55,7 +56,7 @@ def read_run(run_dir: str) -> dict:
         "rollout_tok_s": tokens / rollout_s,
         "pass1": (evals[0]["eval/pass@1"], evals[-1]["eval/pass@1"]),
         "reward_mean": sum(r["rollout/reward_mean"] for r in steps) / len(steps),
-        "logp_diff": [r["perf/engine_logp_diff"] for r in steps if "perf/engine_logp_diff" in r],
+        "process_s": float(open(process_file).read()) if os.path.exists(process_file) else None,
     }
 
 
@@ -66,12 +67,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--eval-limit", type=int, default=40, help="held-out problems per evaluation (2 samples each)")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument("--table-only", action="store_true", help="print the table of the runs already in --output-dir")
     o = p.parse_args()
     common = ["--seed", str(o.seed), "--eval-limit", str(o.eval_limit), "--eval-samples", "2", "--eval-k", "2"]
     runs = {}
     for engine in o.engines:
         for schedule in ("grpo", "mugrpo"):
             name = f"{schedule}_{engine}_s{o.seed}"
+            if o.table_only:
+                runs[(engine, schedule)] = read_run(os.path.join(o.output_dir, name))
+                continue
             cmd = [sys.executable, "mugrpo.py", "--engine", engine, *common, *SCHEDULES[schedule]]
             cmd += ["--output-dir", o.output_dir, "--run-name", name]
             print(" ".join(cmd[1:]), flush=True)
@@ -82,17 +87,20 @@ def main() -> None:
                 sys.exit(f"{name} failed (exit {rc}): see {log.name}")
             runs[(engine, schedule)] = {**read_run(os.path.join(o.output_dir, name)), "process_s": time.time() - t0}
             print(f"  done in {runs[(engine, schedule)]['process_s']:.0f} s", flush=True)
+            with open(os.path.join(o.output_dir, name, "process_s.txt"), "w") as f:
+                f.write(f"{runs[(engine, schedule)]['process_s']:.1f}\n")
     lines = [
         "| engine | schedule | process s | wall s | rollout s | sync s | train s | eval s | other s | "
-        "rollout tokens | rollout tok/s | mean reward | pass@1 before -> after |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "rollout tokens | rollout tok/s | rollout / train s per 1k tokens | mean reward | pass@1 before -> after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (engine, schedule), r in runs.items():
         eval_s = r["wall_s"] - r["rollout_s"] - r["sync_s"] - r["train_s"] - r["reward_s"]  # the rest is evaluation
         lines.append(
             f"| {engine} | {LABELS[schedule]} | {r['process_s']:.0f} | {r['wall_s']:.0f} | {r['rollout_s']:.1f} | "
             f"{r['sync_s']:.1f} | {r['train_s']:.1f} | {eval_s:.1f} | {r['process_s'] - r['wall_s']:.0f} | "
-            f"{r['rollout_tokens']:.0f} | {r['rollout_tok_s']:.1f} | {r['reward_mean']:.3f} | "
+            f"{r['rollout_tokens']:.0f} | {r['rollout_tok_s']:.1f} | {1000 * r['rollout_s'] / r['rollout_tokens']:.1f} / "
+            f"{1000 * r['train_s'] / r['rollout_tokens']:.1f} | {r['reward_mean']:.3f} | "
             f"{r['pass1'][0]:.3f} -> {r['pass1'][1]:.3f} |"
         )
     lines.append("")
@@ -105,6 +113,8 @@ def main() -> None:
     )
     table = "\n".join(lines)
     print(table)
+    if o.table_only:
+        return
     stamp = time.strftime("%Y%m%d-%H%M%S")
     with open(os.path.join(o.results, f"mugrpo_schedule_{stamp}.md"), "w") as f:
         f.write(table + "\n")
