@@ -1,27 +1,32 @@
-"""The method-free layer of grpo.py, gapo.py, mugrpo.py and codapo.py. The names they use, in the order a run uses them:
+"""The method-free layer of grpo.py, gapo.py, mugrpo.py and codapo.py. The names they use, in the order a run uses them
+(torch.amp.GradScaler and the optimizer are torch's own):
 
-start    Args (the common flags; a script subclasses it), run_cli, setup (checks, torchrun, threads, seeds, device),
-         find_resume, make_run_dir; verifiers.load_task / load_eval_tasks (a task: its data and how it is scored)
-model    load_tokenizer, context_length, load_model (fp32 master weights, bf16/fp16 autocast on CUDA), shard_model
-         (FSDP2 under torchrun), make_optimizer, LossScale, format_prompt, make_engine (HFEngine here, VLLMEngine on a
-         GPU), Timers, PromptSampler, load_trainer_state, RunLogger; evaluation: evaluate_sets, eval_seed, write_eval,
-         console_line, print_summary
+start    Args and arg (the common flags; a script subclasses Args), run_cli, setup (checks, torchrun, threads, seeds,
+         device) -> world (World), find_resume, make_run_dir; verifiers.load_task / load_eval_tasks (a task: its data
+         and how it is scored); RunError, UserError (one-line errors)
+model    load_tokenizer, format_prompt, context_length, load_model (fp32 master weights, bf16/fp16 autocast on CUDA),
+         shard_model (FSDP2 under torchrun), make_optimizer, make_engine (HFEngine here, VLLMEngine on a GPU), Timers,
+         PromptSampler, load_trainer_state, open_run_logger -> RunLogger; evaluation: evaluate_sets, eval_seed,
+         write_eval, eval_console_line, print_summary; CONSOLE (the console, rank 0's under torchrun)
 one step 1. engine.wake (the weight sync), group_shuffled_minibatches(minibatch_generator(seed, step)): the plan
          2. sampler.sample, format_prompt, generate_rollout -> RolloutBatch (prompt(r), completion(r), lengths)
          3. engine.sleep; rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
-         4. completion_mask_of (B, T); batch_logps: no-grad old (and reference) log-probs; Mismatch: the engine's
-            log-probs against the trainer's
+         4. completion_mask_of (B, T); no_grad_logps: the old (and reference) log-probs; RolloutCorrection: the
+            engine's log-probs against the trainer's
          5. per mini-batch: micro_batches (a token budget; the rows of one prompt packed, its prompt computed once),
-            rows_batch -> TokenBatch, completion_logps (B, T) with entropy, mismatch.weights (a rollout correction),
-            the method's loss, accumulation_weight, loss_scale.scale(loss).backward(); mismatch.check_once (a stale
-            engine), loss_scale.step (clip the global norm, check it, step)
-         6. metrics: peak_memory_gb, mismatch.metrics, engine_logp_diff, logger.log, console_line, write_rollouts
+            token_batch_of -> TokenBatch, completion_logps (B, T) with entropy, correction.weights (--rollout-is),
+            the method's loss, accumulation_weight, scaler.scale(loss).backward(); correction.check_engine (a stale
+            engine), clip_grad_norm (the global norm, non-finite: stop), scaler.step
+         6. metrics: grad_metrics, peak_memory_gb, correction.metrics, logger.log, console_line, CONSOLE,
+            write_rollouts
 end      save_checkpoint, save_final_model
 
-Part A below holds, in that order, everything one step calls on one process with the transformers engine. Part B,
-below the ruler, is infrastructure: flags and their checks, several processes (World, ShardedRollout), the vLLM
-engine, evaluation, run folders and checkpoints, the embedded model. Nothing below the ruler is needed to follow
-a step. Shapes: B rollouts (rows of one prompt contiguous), T completion tokens, G rollouts per prompt.
+Part A below holds, in that order, everything one step calls on one process with the transformers engine, and
+nothing else (tests/test_common_map.py checks it). Part B, below the ruler: flags and their checks, the command line
+and errors, the start of a run (models, engines, the optimizer, the run's logger), several processes
+(DistributedWorld, ShardedRollout), the vLLM engine, evaluation, run folders and checkpoints, references for the
+tests and benchmarks, the embedded model. Shapes: B rollouts (rows of one prompt contiguous), T completion tokens,
+G rollouts per prompt.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import operator
 import os
@@ -47,6 +53,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 import verifiers
 from verifiers import RunError, UserError
@@ -59,117 +66,101 @@ CACHE_DIR = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), "
 # Part A: one step, in the order it runs (one process, the transformers engine)
 # ==============================================================================================
 
-# ----- models and tokenizer
+# ----- the processes, the console and the step's timers
 
 
-def resolve_model_path(name: str) -> str:
-    """Embedded alias -> cached folder; local folder -> itself (a checkpoint folder -> its model/); else a hub id."""
-    if name == EMBEDDED_MODEL:
-        return embedded_model_dir()
-    if os.path.isdir(name):
-        name = checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
-        if not os.path.isfile(os.path.join(name, "config.json")):
-            raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
-        return name
-    if os.path.exists(name):
-        raise UserError(f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}")
-    return name
+class World:
+    """The training processes. A plain `python` run is this one process: every collective below returns its input
+    unchanged. Under torchrun, init_world (Part B) puts a DistributedWorld in its place, with the same methods."""
+
+    rank, world_size, local_rank = 0, 1, 0
+    device: torch.device | None = None
+    enabled = False  # several processes?
+    is_main = True  # the process that writes files and the console
+
+    def sum(self, values):  # an all-reduce SUM of a float, a tensor or a dict of floats
+        return values
+
+    def max(self, value: float) -> float:  # an all-reduce MAX
+        return value
+
+    def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:  # every rank's rows on every rank
+        return values
+
+    def gather_objects(self, obj) -> list:  # [obj of rank 0, obj of rank 1, ...]
+        return [obj]
+
+    def broadcast_object(self, obj):  # rank 0's obj
+        return obj
+
+    def barrier(self) -> None:
+        return None
+
+    def same_count(self, micro_batches: list) -> list:  # as many micro-batches on every rank
+        return micro_batches
 
 
-def load_tokenizer(name: str):
-    """The tokenizer of `name` (local files first, then the hub), left padding, pad = EOS if it has no pad token."""
-    from transformers import AutoTokenizer
-
-    tok = _from_pretrained(AutoTokenizer, name)
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
+_WORLD = World()
 
 
-def load_model(
-    name: str,
-    device: torch.device,
-    gradient_checkpointing: bool = False,
-    trainable: bool = True,
-    compute_dtype: torch.dtype | None | str = "auto",
-):
-    """Causal LM on `device`. `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU;
-    or a torch dtype) is the autocast dtype of its
-    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
-
-    trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
-    state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
-    so that --gradient-checkpointing takes effect; dropout stays at the model's config.
-    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
-    from transformers import AutoModelForCausalLM
-
-    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
-    model.to(device)
-    model.config.use_cache = False
-    model.autocast_dtype = compute_dtype  # read by autocast_context(model)
-    if trainable:
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
-        model.train()
-        dropout = {
-            k: v
-            for k, v in model.config.to_dict().items()
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
-        }
-        if dropout:
-            print(
-                f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
-                "training-mode forward passes then differ from the sampler's (docs/precision.md)",
-                flush=True,
-            )
-    else:
-        model.eval()
-        model.requires_grad_(False)
-    return model
+def world() -> World:
+    """The current World: this one process until init_world runs under torchrun."""
+    return _WORLD
 
 
-def model_dtypes(
-    device: torch.device, trainable: bool = True, compute_dtype: torch.dtype | None | str = "auto"
-) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16 (or,
-    for "fp16", fp16) compute for the policy, weights in the compute dtype for the frozen reference; CPU: fp32 and no
-    autocast ("auto", "bf16" and "fp16" name the CUDA compute dtype)."""
-    if compute_dtype in ("auto", "bf16", "fp16"):
-        cuda_dtype = torch.float16 if compute_dtype == "fp16" else torch.bfloat16
-        compute_dtype = cuda_dtype if device.type == "cuda" else None
-    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
+CONSOLE = logging.getLogger("rlvr")  # the run's console (rank 0 only under torchrun): _ConsoleHandler, Part B
 
 
-def autocast_context(model):
-    """Autocast context for `model`'s forward passes in its `autocast_dtype` (set by load_model: bf16 on CUDA);
-    a no-op for models without one (CPU default, models built elsewhere)."""
-    dtype = getattr(model, "autocast_dtype", None)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+class Timers:
+    """Wall-clock seconds per phase (`with timers("rollout"): ...`): `step` since reset_step, `total` for the run."""
+
+    def __init__(self, names: Iterable[str]):
+        self.total = {n: 0.0 for n in names}
+        self.step = {n: 0.0 for n in names}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # GPU work ends inside the phase
+        sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync()
+            dt = time.perf_counter() - t0
+            self.total[name] = self.total.get(name, 0.0) + dt
+            self.step[name] = self.step.get(name, 0.0) + dt
+
+    def reset_step(self) -> None:
+        self.step = {n: 0.0 for n in self.total}
 
 
-# ----- prompts
+# ----- 1. the mini-batch plan (engine.wake, the weight sync, is a no-op for the transformers engine)
+
+# every seed a run derives from --seed, in one place (the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET,
+# verifiers.HOLDOUT_SHUFFLE_SEED)
+RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
+SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
+MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
+EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
 
 
-def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
-    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
-    return tokenizer(prompt_text(tokenizer, question, instruction, system_prompt), add_special_tokens=False)["input_ids"]
+def minibatch_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step `step`'s mini-batch plan: the same on every rank."""
+    return torch.Generator().manual_seed(seed * MINIBATCH_SEED_STRIDE + step)
 
 
-def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> str:
-    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": content}
-    ]
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:  # base models without a template: plain text prompt
-        text = (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "
-    return text
+def group_shuffled_minibatches(
+    num_prompts: int, group_size: int, num_minibatches: int, generator: torch.Generator
+) -> list[list[int]]:
+    """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
+    order = torch.randperm(num_prompts, generator=generator).tolist()
+    per = math.ceil(num_prompts / num_minibatches)
+    groups = [order[m * per : (m + 1) * per] for m in range(num_minibatches)]
+    return [[g * group_size + i for g in mb for i in range(group_size)] for mb in groups if mb]
+
+
+# ----- 2. prompts
 
 
 class PromptSampler:
@@ -181,7 +172,7 @@ class PromptSampler:
 
     def _permutation(self) -> list[int]:
         order = list(range(self.n))
-        random.Random(sampler_seed(self.seed, self.epoch)).shuffle(order)
+        random.Random(self.seed * SAMPLER_SEED_STRIDE + self.epoch).shuffle(order)
         return order
 
     def sample(self, k: int) -> list[int]:
@@ -202,60 +193,168 @@ class PromptSampler:
         self._order = self._permutation()
 
 
-# ----- rollout data and the transformers engine
+def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
+    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
+    return tokenizer(prompt_text(tokenizer, question, instruction, system_prompt), add_special_tokens=False)["input_ids"]
 
-_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)  # typecode of a C int32 ("i" on every 64-bit OS)
-_TORCH_DTYPE = {_INT32: torch.int32, "q": torch.int64, "f": torch.float32}
+
+def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> str:
+    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": content})
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "  # a base model: plain text
 
 
-def _tensor(values: array.array) -> torch.Tensor:
-    """A tensor copy of a packed buffer (frombuffer shares memory without pinning the array's size: cloned)."""
-    if not len(values):
-        return torch.empty(0, dtype=_TORCH_DTYPE[values.typecode])
-    return torch.frombuffer(values, dtype=_TORCH_DTYPE[values.typecode]).clone()
+# ----- 3. the rollout: the transformers engine and the rollout data
+
+
+def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
+    """n completions for each of the P prompts (token id lists). World size 1: engine.generate on all of them (a
+    RolloutBatch). Several processes: each rank generates the groups World.deal_groups gives it from the mini-batch
+    plan (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
+    w = world()
+    if not w.enabled:
+        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
+    groups = w.deal_groups(minibatches, n)
+    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed, group_ids=groups)
+    return ShardedRollout(local, groups, len(prompt_ids), n)
+
+
+class HFEngine:
+    """The trainer's own model as the rollout engine (no weight copy: wake, sleep, push_weights do nothing). A sampling
+    loop over the model's forward and a KV cache: each prompt is prefilled once for its n rows, and a row that has
+    ended (EOS) leaves the batch. The sampler is transformers' own (softmax(logits / T), torch.multinomial over every
+    row, ended rows fixed to pad), so a seed draws what `model.generate` draws (ReferenceHFEngine)."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.gen_batch_size, self.return_logps = gen_batch_size, return_logps
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
+        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups, sampled from torch's
+        global generator (`seed`, `group_ids`: for engines with per-request seeds). Several processes: every rank
+        passes as many prompts (a rank that is done keeps stepping until all are: FSDP's forwards are collectives)."""
+        from tqdm.auto import tqdm
+
+        synced, model = world().enabled, self.model
+        if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
+            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        out = RolloutBatch(with_engine_logps=self.return_logps)
+        chunk = max(n, (self.gen_batch_size // n) * n)
+        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress or not world().is_main)
+        was_training = model.training
+        model.eval()
+        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
+        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
+        with torch.no_grad() if synced else torch.inference_mode(), autocast_context(model):
+            try:
+                for start in range(0, len(rows), chunk):
+                    batch = [torch.tensor(r) for r in rows[start : start + chunk]]
+                    ids = pad_sequence(batch, batch_first=True, padding_value=self.pad_id, padding_side="left")
+                    attention = pad_sequence([torch.ones_like(r) for r in batch], batch_first=True, padding_side="left")
+                    device = next(model.parameters()).device
+                    tokens, logps = self._sample(ids.to(device), attention.to(device), n, max_new_tokens, temperature)
+                    for i, toks in enumerate(tokens.tolist()):  # a completion ends at (and keeps) its first EOS
+                        end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+                        completion = toks[:end]
+                        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+                        row_logps = logps[i, : len(completion)].cpu() if logps is not None else None
+                        out.append_row(batch[i].tolist(), completion, text, "stop" if end else "length", row_logps)
+                    bar.update(len(batch))
+            finally:
+                bar.close()
+                model.train(was_training)
+        return out
+
+    def _sample(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
+        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature."""
+        from transformers import DynamicCache
+
+        model, synced = self.model, world().enabled
+        R, W = input_ids.shape
+        device = input_ids.device
+        # prefill each distinct prompt once; its cache and its last position's logits are repeated for its n rows
+        cache = DynamicCache(config=model.config)
+        prompt_ids, prompt_mask = input_ids[::n], attention[::n]
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        kw = dict(past_key_values=cache, use_cache=True)
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, logits_to_keep=1, **kw)
+        logits = logits.logits[:, -1].repeat_interleave(n, dim=0)  # (R, V)
+        cache.batch_repeat_interleave(n)
+        mask = torch.cat([attention, attention.new_ones(R, max_new_tokens)], dim=1)  # (R, W + T): prompt, then new
+        prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=device)
+        tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((R, max_new_tokens), device=device) if self.return_logps else None
+        ended = torch.zeros(R, dtype=torch.bool, device=device)
+        running = torch.arange(R, device=device)  # the chunk rows the cache holds, in its order
+        for t in range(max_new_tokens):
+            if t > 0:  # each running row's last token at its next position, against its prompt and its own past
+                going_on = (~ended[running]).nonzero().squeeze(1)
+                if 0 < len(going_on) < len(running):  # ended rows leave the cache (a synced rank keeps its last ones)
+                    cache.batch_select_indices(going_on)
+                    running = running[going_on]
+                position_ids = (prompt_len[running] + t - 1)[:, None]
+                step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
+                logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
+            if not bool(ended.all()):  # (a synced rank whose rows have all ended only steps for the collectives)
+                # transformers' sampler (GenerationMixin._sample), so a seed draws the same tokens
+                scores = logits.float() / temperature if temperature != 1.0 else logits.float()  # (L, V) running rows
+                probs = scores.new_zeros((R, scores.shape[-1]))
+                probs[:, self.pad_id] = 1.0  # an ended row: any valid distribution, its draw is replaced by pad
+                probs[running] = torch.softmax(scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # (R,), from R x V random draws
+                next_tokens[ended] = self.pad_id
+                tokens[:, t] = next_tokens
+                if logps is not None:
+                    logps[running, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[running, None]).squeeze(1)
+                ended |= torch.isin(next_tokens, eos)
+            done = bool(ended.all()) if not synced else world().max(float(not ended.all())) == 0.0  # synced: all ranks
+            if done:
+                return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
+        return tokens, logps
+
+    push_weights = sleep = wake = lambda self, model=None: None  # the engine is the trainer's model: nothing to do
+
+
+def autocast_context(model):
+    """Autocast of `model`'s forward passes in its `autocast_dtype` (load_model: bf16 on CUDA); else a no-op."""
+    dtype = getattr(model, "autocast_dtype", None)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
 class RolloutBatch:
-    """B = P*n generated rows, the n rows of one prompt contiguous, as ragged rows packed in flat buffers: every
-    completion token in one int32 buffer with int64 row offsets, each prompt stored once for its run of rows, the
-    engine's log-probs (one per completion token, where the engine returns them) in one float32 buffer: about
-    8 bytes per completion token (docs/mugrpo.md, bench/rollout_memory.py).
-
-    Row r: `prompt(r)`, `completion(r)` (token ids; a completion keeps the EOS that ended it), `engine_logp(r)`.
-    All rows: `prompt_lengths`, `completion_lengths` ((B,) int64), `engine_logps_flat()` ((N,) float32, row after
-    row), `texts` (decoded, special tokens skipped), `finish_reasons` ("stop" or "length")."""
+    """B = P*n generated rows, the n rows of one prompt contiguous, in flat buffers (about 8 bytes per completion
+    token, docs/mugrpo.md): completion tokens in one int32 buffer with int64 row offsets, each prompt stored once
+    for its rows, the engine's log-probs (where it returns them) in one float32 buffer. Row r: `prompt(r)`,
+    `completion(r)` (token ids, with the EOS that ended it), `engine_logp(r)`; every row: `prompt_lengths`,
+    `completion_lengths` ((B,) int64), `engine_logps_flat()`, `texts`, `finish_reasons` ("stop" or "length")."""
 
     def __init__(self, with_engine_logps: bool = False):
         self._prompt_values, self._prompt_offsets = array.array(_INT32), array.array("q", [0])
         self._prompt_index = array.array("q")  # (B,) row -> stored prompt
         self._completion_values, self._completion_offsets = array.array(_INT32), array.array("q", [0])
         self._logp_values = array.array("f") if with_engine_logps else None  # the completions' offsets
+        self.has_engine_logps = bool(with_engine_logps)
         self.texts: list[str] = []
         self.finish_reasons: list[str] = []
 
-    @classmethod
-    def from_rows(cls, prompt_ids, completion_ids, texts=(), finish_reasons=(), engine_logps=None) -> RolloutBatch:
-        """A batch of lists of rows (tests, benchmarks); `texts` and `finish_reasons` are kept as given."""
-        if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
-            raise ValueError(
-                f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
-                f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows"
-            )
-        batch = cls(with_engine_logps=engine_logps is not None)
-        for r in range(len(prompt_ids)):
-            batch.append_row(prompt_ids[r], completion_ids[r], "", "", None if engine_logps is None else engine_logps[r])
-        batch.texts, batch.finish_reasons = list(texts), list(finish_reasons)
-        return batch
-
-    def append_row(
-        self,
-        prompt: Sequence[int],
-        completion: Sequence[int],
-        text: str,
-        finish_reason: str,
-        logps: Sequence[float] | torch.Tensor | None = None,
-    ) -> None:
-        """Add one generated row; `logps` (one per completion token) iff the batch holds log-probs."""
+    def append_row(self, prompt, completion, text: str, finish_reason: str, logps=None) -> None:
+        """Add one row; `logps` (one per completion token, a list or tensor) iff the batch holds log-probs."""
         if (logps is None) != (self._logp_values is None):
             raise ValueError("a RolloutBatch holds log-probs for every row or for none")
         if logps is not None and len(logps) != len(completion):
@@ -267,9 +366,9 @@ class RolloutBatch:
             self._prompt_offsets.append(len(self._prompt_values))
         self._prompt_index.append(len(self._prompt_offsets) - 2)
         self._completion_values.extend(completion)
+        self._completion_offsets.append(len(self._completion_values))
         if logps is not None:
             self._logp_values.extend(logps.tolist() if isinstance(logps, torch.Tensor) else logps)
-        self._completion_offsets.append(len(self._completion_values))
         self.texts.append(text)
         self.finish_reasons.append(finish_reason)
 
@@ -297,10 +396,6 @@ class RolloutBatch:
         return _tensor(self._logp_values)
 
     @property
-    def has_engine_logps(self) -> bool:
-        return self._logp_values is not None
-
-    @property
     def completion_lengths(self) -> torch.Tensor:  # (B,) int64
         return torch.diff(_tensor(self._completion_offsets))
 
@@ -312,18 +407,6 @@ class RolloutBatch:
     def prompt_of_row(self) -> torch.Tensor:  # (B,) int64: rows with one stored prompt share it (a group's rows)
         return _tensor(self._prompt_index)
 
-    def nbytes(self) -> int:
-        """Bytes of the packed token and log-prob buffers (texts and finish reasons not included)."""
-        bufs = [
-            self._prompt_values,
-            self._prompt_offsets,
-            self._prompt_index,
-            self._completion_values,
-            self._completion_offsets,
-            self._logp_values if self._logp_values is not None else array.array("f"),
-        ]
-        return sum(b.itemsize * len(b) for b in bufs)
-
     @property
     def rows(self) -> list[int]:  # the rows this process holds: all of them (ShardedRollout: a rank's share)
         return list(range(len(self)))
@@ -332,282 +415,18 @@ class RolloutBatch:
         return list(rows)
 
 
-class HFEngine:
-    """The trainer's own model object as the rollout engine (no weight copy: push_weights is a no-op).
-
-    A sampling loop over the model's forward and a KV cache: each distinct prompt is prefilled once and its cache
-    repeated for its n rows, and a row that has ended (EOS) leaves the batch, so every step computes only the rows
-    still running. The sampler is transformers' own: softmax(logits / T), then torch.multinomial over every row of
-    the chunk with ended rows fixed to the pad id, so a seed draws the same tokens as `model.generate` (tests)."""
-
-    name = "hf"
-
-    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
-        self.model, self.tokenizer = model, tokenizer
-        self.gen_batch_size = gen_batch_size
-        self.return_logps = return_logps
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
-        self.eos_ids.add(tokenizer.eos_token_id)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.use_generate = False  # True: transformers' generate, every row prefilled (the reference tests compare to)
-        self.min_new_tokens = 0  # benchmarks only: EOS is not sampled before this many tokens (full-length rows)
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        n: int,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int | None = None,
-        desc: str = "generate",
-        progress: bool = True,
-        group_ids: Sequence[int] | None = None,
-    ) -> RolloutBatch:
-        """n completions per prompt, sampled from torch's global generator (`seed` and `group_ids` are for
-        engines with per-request seeds). Several processes: every rank must pass the same number of prompts
-        (generation is synced: a rank that is done keeps stepping until all are, FSDP's forwards are collectives)."""
-        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
-        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
-        with torch.no_grad() if world().enabled else torch.inference_mode():
-            return self._generate(prompt_ids, n, max_new_tokens, temperature, desc, progress)
-
-    def _generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, desc: str, progress: bool
-    ) -> RolloutBatch:
-        from tqdm.auto import tqdm
-
-        synced = world().enabled
-        if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
-            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
-        model = self.model
-        was_training = model.training
-        model.eval()
-        rows = [ids for ids in prompt_ids for _ in range(n)]
-        out = RolloutBatch(with_engine_logps=self.return_logps)
-        device = next(model.parameters()).device
-        # chunks of whole groups, in group order (prompts of similar length batch with little padding)
-        chunk = max(n, (self.gen_batch_size // n) * n)
-        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress)
-        sample = self._sample_with_generate if self.use_generate else self._sample
-        try:
-            for start in range(0, len(rows), chunk):
-                batch = rows[start : start + chunk]
-                width = max(len(r) for r in batch)
-                input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-                attention = torch.zeros((len(batch), width), dtype=torch.long)
-                for i, r in enumerate(batch):  # left padding: every row's next token goes in the same column
-                    input_ids[i, width - len(r) :] = torch.tensor(r)
-                    attention[i, width - len(r) :] = 1
-                with autocast_context(model):
-                    new_tokens, step_logps = sample(
-                        input_ids.to(device), attention.to(device), n, max_new_tokens, temperature, synced
-                    )
-                new_tokens = new_tokens.cpu()
-                for i in range(len(batch)):
-                    toks = new_tokens[i].tolist()
-                    end = next((t for t, tok in enumerate(toks) if tok in self.eos_ids), None)
-                    if end is None:
-                        completion, reason = toks, "length"
-                    else:
-                        completion, reason = toks[: end + 1], "stop"
-                    out.append_row(
-                        batch[i],
-                        completion,
-                        self.tokenizer.decode(completion, skip_special_tokens=True),
-                        reason,
-                        step_logps[i, : len(completion)].cpu() if self.return_logps else None,
-                    )
-                bar.update(len(batch))
-        finally:
-            bar.close()
-            model.train(was_training)
-        return out
-
-    def _sample(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float, synced: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
-        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature."""
-        from transformers import DynamicCache
-
-        model = self.model
-        R, W = input_ids.shape
-        device = input_ids.device
-        # prefill each distinct prompt once; its cache and its last position's logits are repeated for its n rows
-        cache = DynamicCache(config=model.config)
-        prompt_ids, prompt_mask = input_ids[::n], attention[::n]
-        logits = model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-        mask = torch.cat([attention, attention.new_ones(R, max_new_tokens)], dim=1)  # (R, W + T): prompt, then new
-        prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
-        eos = torch.tensor(sorted(self.eos_ids), device=device)
-        tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        logps = torch.zeros((R, max_new_tokens), device=device) if self.return_logps else None
-        ended = torch.zeros(R, dtype=torch.bool, device=device)
-        running = torch.arange(R, device=device)  # the chunk rows the cache holds, in its order
-        t = 0
-        while True:
-            if not bool(ended.all()):  # (a synced rank whose rows have all ended only steps for the collectives)
-                # transformers' sampler (GenerationMixin._sample), so a seed draws the same tokens
-                scores = logits.float()  # (L, V): the running rows
-                if t < self.min_new_tokens:
-                    scores[:, eos] = -math.inf
-                if temperature != 1.0:
-                    scores = scores / temperature
-                probs = scores.new_zeros((R, scores.shape[-1]))
-                probs[:, self.pad_id] = 1.0  # an ended row: any valid distribution, its draw is replaced by pad
-                probs[running] = torch.softmax(scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # (R,), from R x V random draws
-                next_tokens[ended] = self.pad_id
-                tokens[:, t] = next_tokens
-                if logps is not None:
-                    picked = next_tokens[running, None]
-                    logps[running, t] = torch.log_softmax(scores, dim=-1).gather(1, picked).squeeze(1)
-                ended |= torch.isin(next_tokens, eos)
-            t += 1
-            all_ended = bool(ended.all())
-            if synced:  # every rank steps until all have ended: FSDP's forwards are collectives
-                all_ended = world().max(float(not all_ended)) == 0.0
-            if t == max_new_tokens or all_ended:
-                break
-            going_on = (~ended[running]).nonzero().squeeze(1)
-            if 0 < len(going_on) < len(running):  # ended rows leave the cache (a synced rank keeps its last ones)
-                cache.batch_select_indices(going_on)
-                running = running[going_on]
-            # each running row's last token at its next position, against its prompt and its own past
-            logits = model(
-                input_ids=tokens[running, t - 1 : t],
-                attention_mask=mask[running, : W + t],
-                position_ids=(prompt_len[running] + t - 1)[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-        return tokens[:, :t], logps[:, :t] if logps is not None else None
-
-    def _sample_with_generate(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float, synced: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The same through transformers' `generate`, every row prefilled and stepped to the chunk's longest row."""
-        from transformers import GenerationConfig
-
-        model = self.model
-        # generate() fills every field left None in its config from model.generation_config (a Qwen-Instruct
-        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
-        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
-        try:
-            gen = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                generation_config=self.sampling_config(max_new_tokens, temperature),
-                synced_gpus=synced,
-            )
-        finally:
-            model.generation_config = model_generation_config
-        new_tokens = gen.sequences[:, input_ids.shape[1] :]
-        if not self.return_logps:
-            return new_tokens, None
-        # scores: t tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
-        scores = torch.stack(gen.scores, dim=1).float()  # (R, t, V)
-        return new_tokens, torch.log_softmax(scores, dim=-1).gather(2, new_tokens[..., None]).squeeze(2)
-
-    def sampling_config(self, max_new_tokens: int, temperature: float):
-        """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
-        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
-        from transformers import GenerationConfig
-
-        return GenerationConfig(
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=self.min_new_tokens or None,
-            pad_token_id=self.pad_id,
-            eos_token_id=sorted(self.eos_ids),
-            use_cache=True,
-            return_dict_in_generate=True,
-            output_scores=self.return_logps,
-        )
-
-    def push_weights(self, model) -> None:  # same object: nothing to copy
-        return None
-
-    def sleep(self) -> None:
-        return None
-
-    def wake(self, model=None) -> None:
-        return None
+_INT32 = next(c for c in "ilh" if array.array(c).itemsize == 4)  # typecode of a C int32 ("i" on every 64-bit OS)
+_TORCH_DTYPE = {_INT32: torch.int32, "q": torch.int64, "f": torch.float32}
 
 
-def make_engine(
-    kind: str,
-    model,
-    tokenizer,
-    *,
-    model_path: str,
-    max_model_len: int,
-    seed: int,
-    gen_batch_size: int,
-    gpu_memory_utilization: float,
-    return_logps: bool = False,
-    dtype: str = "bf16",
-):
-    """`auto`: vLLM when a GPU and vLLM are present, otherwise the HF engine. `vllm` also runs on CPU
-    with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
-    `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU."""
-    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-        return VLLMEngine.colocated(
-            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization, dtype
-        )
-    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
+def _tensor(values: array.array) -> torch.Tensor:
+    """A tensor copy of a packed buffer (frombuffer shares memory without pinning the array's size: cloned)."""
+    if not len(values):
+        return torch.empty(0, dtype=_TORCH_DTYPE[values.typecode])
+    return torch.frombuffer(values, dtype=_TORCH_DTYPE[values.typecode]).clone()
 
 
-# ----- the rollout of one step
-
-
-def group_shuffled_minibatches(
-    num_prompts: int, group_size: int, num_minibatches: int, generator: torch.Generator
-) -> list[list[int]]:
-    """Row indices of `num_minibatches` mini-batches, shuffled by prompt group (groups stay whole)."""
-    order = torch.randperm(num_prompts, generator=generator).tolist()
-    per = math.ceil(num_prompts / num_minibatches)
-    out = []
-    for m in range(num_minibatches):
-        groups = order[m * per : (m + 1) * per]
-        if groups:
-            out.append([g * group_size + i for g in groups for i in range(group_size)])
-    return out
-
-
-def generate_rollout(
-    engine,
-    prompt_ids: Sequence[Sequence[int]],
-    n: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-    minibatches: Sequence[Sequence[int]],
-):
-    """n completions for each of the P prompts. World size 1: engine.generate on all of them (a RolloutBatch).
-    Several processes: each rank generates the groups that World.deal_groups gives it from the mini-batch plan
-    (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
-    w = world()
-    if not w.enabled:
-        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
-    groups = w.deal_groups(minibatches, n)
-    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed, group_ids=groups)
-    return ShardedRollout(local, groups, len(prompt_ids), n)
+# ----- 4. rewards
 
 
 def rollout_rewards(task: verifiers.Task, row_problems: Sequence[dict], rollout) -> torch.Tensor:
@@ -623,96 +442,53 @@ def rollout_rewards(task: verifiers.Task, row_problems: Sequence[dict], rollout)
     return w.share_rows(full, rollout.rows)
 
 
-# ----- token batches
+# ----- 5. token batches and per-token log-probs
 
 
 def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
     """(len(rows), T_max) float mask of real completion tokens (every row by default)."""
-    lengths = rollout.completion_lengths  # (B,) every row (several processes: gathered)
-    rows = list(range(len(lengths))) if rows is None else list(rows)
-    T = max(1, max(int(lengths[r]) for r in rows))
-    mask = torch.zeros((len(rows), T))
-    for i, r in enumerate(rows):
-        mask[i, : int(lengths[r])] = 1
-    return mask
+    lengths = rollout.completion_lengths if rows is None else rollout.completion_lengths[list(rows)]  # (rows,)
+    return (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).float()
 
 
-@dataclass
-class TokenBatch:
-    """One forward pass. Padded rows (pad_batch): [left-padded prompt | right-padded completion] per row. Packed
-    groups (pack_batch): one sequence per group [prompt | c_1 | ... | c_k] with a block mask (each completion sees
-    the prompt and its own past) and positions restarting after the prompt, so every prompt is computed once."""
-
-    input_ids: torch.Tensor  # (n, L) n rows, or n packed groups
-    attention_mask: torch.Tensor | None  # (n, L) padding mask of rows; None for packs (block_ids say it)
-    completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
-    completion_ids: torch.Tensor  # (B, T)
-    position_ids: torch.Tensor | None = None  # (n, L) packs: the positions each token has in its own row
-    block_ids: torch.Tensor | None = None  # (n, L) packs: 0 prompt, j completion j of the pack, -1 padding
-    gather: torch.Tensor | None = None  # (N,) packs: flat (n * L) index of the hidden state predicting each token
-
-
-def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
-    """[left-padded prompt | right-padded completion] so that completion token t sits at column P + t."""
-    B = len(prompt_ids)
-    P = max(len(p) for p in prompt_ids)
-    T = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + T), dtype=torch.long)
-    comp_mask = torch.zeros((B, T), dtype=torch.float32)
-    comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
-        attention[i, P - len(p) : P] = 1
-        if len(c):
-            input_ids[i, P : P + len(c)] = torch.tensor(c, dtype=torch.long)
-            attention[i, P : P + len(c)] = 1
-            comp_mask[i, : len(c)] = 1
-            comp_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-    return TokenBatch(input_ids, attention, comp_mask, comp_ids)
+@torch.no_grad()
+def no_grad_logps(model, rollout, rows: Sequence[int], pad_id: int, temperature: float, token_budget: int, chunk_tokens=256):
+    """Per-token log-probs (len(rows), T) of `rows` without grad, in micro-batches (the old and reference passes); T
+    is the longest completion of the WHOLE rollout, so the result lines up with completion_mask_of(rollout)."""
+    out = torch.zeros((len(rows), max(1, int(rollout.completion_lengths.max()))), dtype=torch.float32)
+    position = {r: i for i, r in enumerate(rows)}
+    was_training = model.training
+    model.eval()
+    try:
+        for mb in micro_batches(rollout, list(rows), token_budget, model):
+            lp, _ = completion_logps(model, token_batch_of(rollout, mb, pad_id), temperature, chunk_tokens, with_entropy=False)
+            for j, r in enumerate(mb):
+                out[position[r], : lp.shape[1]] = lp[j].cpu()
+    finally:
+        model.train(was_training)
+    return out
 
 
-def pack_batch(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int) -> TokenBatch:
-    """One packed sequence per (prompt, completions) group: [prompt | c_1[:-1] | ... | c_k[:-1]] (a completion's
-    last token predicts nothing, so it needs no position), right-padded to a multiple of 16. Completion j's token t
-    is predicted by the hidden state of the prompt's last token (t = 0) or of its own token t - 1, at position
-    P + t - 1 as in its padded row. completion_mask / completion_ids: (B, T), the groups' rows in order."""
-    seqs, gathers, rows = [], [], []
-    for prompt, completions in groups:
-        P = len(prompt)
-        ids, pos, blk = list(prompt), list(range(P)), [0] * P
-        for j, c in enumerate(completions, 1):
-            start = len(ids)
-            ids += c[:-1]
-            pos += range(P, P + len(c) - 1)
-            blk += [j] * (len(c) - 1)
-            gathers.append((len(seqs), [P - 1] + [start + t - 1 for t in range(1, len(c))]))
-            rows.append(c)
-        seqs.append((ids, pos, blk))
-    n, L = len(seqs), _pack_len(max(len(sq[0]) for sq in seqs))
-    T = max(1, max(len(c) for c in rows))
-    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((n, L), dtype=torch.long)
-    block_ids = torch.full((n, L), -1, dtype=torch.long)
-    for i, (ids, pos, blk) in enumerate(seqs):
-        input_ids[i, : len(ids)], position_ids[i, : len(ids)] = torch.tensor(ids), torch.tensor(pos)
-        block_ids[i, : len(ids)] = torch.tensor(blk)
-    comp_mask = torch.zeros((len(rows), T), dtype=torch.float32)
-    comp_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    gather = []
-    for r, (c, (i, at)) in enumerate(zip(rows, gathers)):
-        comp_mask[r, : len(c)] = 1
-        comp_ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
-        gather += [i * L + a for a in at[: len(c)]]  # row-major over completion_mask, as masked_scatter fills it
-    return TokenBatch(input_ids, None, comp_mask, comp_ids, position_ids, block_ids, torch.tensor(gather, dtype=torch.long))
-
-
-def rows_batch(rollout, micro: Sequence[int], pad_id: int) -> TokenBatch:
-    """The TokenBatch of a micro-batch of micro_batches: its packed groups (micro.packs) or its padded rows."""
-    packs = getattr(micro, "packs", None)
-    if packs:
-        return pack_batch([(rollout.prompt(g[0]), [rollout.completion(r) for r in g]) for g in packs], pad_id)
-    return pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
+def micro_batches(rollout, rows: Sequence[int], token_budget: int, model=None) -> list[MicroBatch]:
+    """Split `rows` into micro-batches whose computed tokens stay within `token_budget`: padded rows (rows x longest)
+    or, where the rows of one prompt are packed (`model`'s cost model, attention_break_even), packs x longest pack.
+    Units are length-sorted first so that little compute goes to padding. Several processes: World.same_count gives
+    every rank the same number of micro-batches."""
+    lengths = (rollout.prompt_lengths + rollout.completion_lengths).tolist()
+    units = _units(rollout, list(rows), lengths, token_budget, attention_break_even(model))
+    out = []
+    for packed in (False, True):
+        current, longest = [], 0
+        for size, unit_rows, _ in sorted((u for u in units if u[2] == packed), key=lambda u: u[0]):
+            new_longest = max(longest, size)
+            if current and new_longest * (len(current) + 1) > token_budget:
+                out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
+                current, new_longest = [], size
+            current.append(unit_rows)
+            longest = new_longest
+        if current:
+            out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
+    return world().same_count(out)  # torchrun: every rank runs as many forward/backward passes
 
 
 class MicroBatch(list):
@@ -730,28 +506,6 @@ class MicroBatch(list):
 
 PACK_MAX_TOKENS = 8192  # the longest packed sequence: its block mask is (L, L)
 PACK_GAIN = 0.8  # pack a group only where the cost model says it costs at most 0.8 of its rows
-
-
-def attention_tokens(model) -> float | None:
-    """a / b of the cost model cost(L) = L * (a + b * L) of one sequence of L tokens through the decoder (a: the
-    linear layers per token, b: attention per query-key pair): the length at which attention costs as much as the
-    rest. None where packing does not apply (no model, an attention implementation that takes no block mask, a
-    config without the fields, sliding-window layers)."""
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager") or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return None
-    try:
-        h, hq, i = config.hidden_size, config.num_attention_heads, config.intermediate_size
-        hkv = getattr(config, "num_key_value_heads", None) or hq
-        d = getattr(config, "head_dim", None) or h // hq
-    except AttributeError:
-        return None
-    return 2 * (h * (hq * d + 2 * hkv * d) + hq * d * h + 3 * h * i) / (4 * hq * d)
-
-
-def _pack_len(n: int) -> int:
-    return -(-n // 16) * 16  # pack_batch pads a pack to a multiple of 16 tokens (aligned attention masks on CUDA)
 
 
 def _units(rollout, rows: Sequence[int], lengths: Sequence[int], budget: int, a_b: float | None) -> list:
@@ -784,63 +538,106 @@ def _units(rollout, rows: Sequence[int], lengths: Sequence[int], budget: int, a_
     return units
 
 
-def micro_batches(rollout, rows: Sequence[int], token_budget: int, model=None) -> list[MicroBatch]:
-    """Split `rows` into micro-batches whose computed tokens stay within `token_budget`: padded rows (rows x longest)
-    or, where the rows of one prompt are packed (`model`'s cost model, attention_tokens), packs x longest pack.
-    Units are length-sorted first so that little compute goes to padding. Without a model, or where packing would
-    not pay, these are the padded rows of pad_batch.
-
-    Several processes: World.same_count gives every rank the same number of micro-batches."""
-    lengths = (rollout.prompt_lengths + rollout.completion_lengths).tolist()
-    units = _units(rollout, list(rows), lengths, token_budget, attention_tokens(model))
-    out = []
-    for packed in (False, True):
-        current, longest = [], 0
-        for size, unit_rows, _ in sorted((u for u in units if u[2] == packed), key=lambda u: u[0]):
-            new_longest = max(longest, size)
-            if current and new_longest * (len(current) + 1) > token_budget:
-                out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
-                current, new_longest = [], size
-            current.append(unit_rows)
-            longest = new_longest
-        if current:
-            out.append(MicroBatch.of_packs(current) if packed else MicroBatch(r for u in current for r in u))
-    return world().same_count(out)  # torchrun: every rank runs as many forward/backward passes
+def attention_break_even(model) -> float | None:
+    """a / b of the cost model cost(L) = L * (a + b * L) of one sequence of L tokens through the decoder (a: the
+    linear layers per token, b: attention per query-key pair): the length at which attention costs as much as the
+    rest. None where packing does not apply (no model, an attention implementation that takes no block mask, a
+    config without the fields, sliding-window layers)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager") or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    try:
+        h, hq, i = config.hidden_size, config.num_attention_heads, config.intermediate_size
+        hkv = getattr(config, "num_key_value_heads", None) or hq
+        d = getattr(config, "head_dim", None) or h // hq
+    except AttributeError:
+        return None
+    return 2 * (h * (hq * d + 2 * hkv * d) + hq * d * h + 3 * h * i) / (4 * hq * d)
 
 
-# ----- per-token log-probs
+def _pack_len(n: int) -> int:
+    return -(-n // 16) * 16  # pack_batch pads a pack to a multiple of 16 tokens (aligned attention masks on CUDA)
 
 
-def _chunk_logp_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    temperature: float,
-    softcap: float | None,
-):
-    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
-    logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap:
-        logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    with torch.no_grad():
-        probs = torch.softmax(logits.detach(), dim=-1)
-        entropy = logz.detach() - (probs * logits.detach()).sum(-1)
-    return logp, entropy
+def token_batch_of(rollout, micro: Sequence[int], pad_id: int) -> TokenBatch:
+    """The TokenBatch of a micro-batch of micro_batches: its packed groups (micro.packs) or its padded rows."""
+    packs = getattr(micro, "packs", None)
+    if packs:
+        return pack_batch([(rollout.prompt(g[0]), [rollout.completion(r) for r in g]) for g in packs], pad_id)
+    return pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
+
+
+@dataclass
+class TokenBatch:
+    """One forward pass. Padded rows (pad_batch): [left-padded prompt | right-padded completion] per row. Packed
+    groups (pack_batch): one sequence per group [prompt | c_1 | ... | c_k] with a block mask (each completion sees
+    the prompt and its own past) and positions restarting after the prompt, so every prompt is computed once."""
+
+    input_ids: torch.Tensor  # (n, L) n rows, or n packed groups
+    attention_mask: torch.Tensor | None  # (n, L) padding mask of rows; None for packs (block_ids say it)
+    completion_mask: torch.Tensor  # (B, T) 1 on real completion tokens (EOS included), 0 on padding
+    completion_ids: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor | None = None  # (n, L) packs: the positions each token has in its own row
+    block_ids: torch.Tensor | None = None  # (n, L) packs: 0 prompt, j completion j of the pack, -1 padding
+    gather: torch.Tensor | None = None  # (N,) packs: flat (n * L) index of the hidden state predicting each token
+
+
+def pad_batch(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int) -> TokenBatch:
+    """[left-padded prompt | right-padded completion] so that completion token t sits at column P + t."""
+    B, P, T = len(prompt_ids), max(len(p) for p in prompt_ids), max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + T), dtype=torch.long)
+    comp_mask = torch.zeros((B, T), dtype=torch.float32)
+    comp_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p) : P + len(c)] = torch.tensor([*p, *c], dtype=torch.long)
+        attention[i, P - len(p) : P + len(c)] = 1
+        comp_mask[i, : len(c)] = 1
+        comp_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+    return TokenBatch(input_ids, attention, comp_mask, comp_ids)
+
+
+def pack_batch(groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int) -> TokenBatch:
+    """One packed sequence per (prompt, completions) group: [prompt | c_1[:-1] | ... | c_k[:-1]] (a completion's
+    last token predicts nothing, so it needs no position), right-padded to a multiple of 16. Completion j's token t
+    is predicted by the hidden state of the prompt's last token (t = 0) or of its own token t - 1, at position
+    P + t - 1 as in its padded row. completion_mask / completion_ids: (B, T), the groups' rows in order."""
+    seqs, gathers, rows = [], [], []
+    for prompt, completions in groups:
+        P = len(prompt)
+        ids, pos, blk = list(prompt), list(range(P)), [0] * P
+        for j, c in enumerate(completions, 1):
+            start = len(ids)
+            ids += c[:-1]
+            pos += range(P, P + len(c) - 1)
+            blk += [j] * (len(c) - 1)
+            gathers.append((len(seqs), [P - 1] + [start + t - 1 for t in range(1, len(c))]))
+            rows.append(c)
+        seqs.append((ids, pos, blk))
+    n, L, T = len(seqs), _pack_len(max(len(sq[0]) for sq in seqs)), max(1, max(len(c) for c in rows))
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((n, L), dtype=torch.long)
+    block_ids = torch.full((n, L), -1, dtype=torch.long)
+    for i, (ids, pos, blk) in enumerate(seqs):
+        input_ids[i, : len(ids)], position_ids[i, : len(ids)] = torch.tensor(ids), torch.tensor(pos)
+        block_ids[i, : len(ids)] = torch.tensor(blk)
+    comp_mask = torch.zeros((len(rows), T), dtype=torch.float32)
+    comp_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    gather = []
+    for r, (c, (i, at)) in enumerate(zip(rows, gathers)):
+        comp_mask[r, : len(c)] = 1
+        comp_ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+        gather += [i * L + a for a in at[: len(c)]]  # row-major over completion_mask, as masked_scatter fills it
+    return TokenBatch(input_ids, None, comp_mask, comp_ids, position_ids, block_ids, torch.tensor(gather, dtype=torch.long))
 
 
 def completion_logps(
     model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`.
-
-    Only completion positions go through the LM head, in chunks of `chunk_tokens` rows whose fp32
-    log-softmax is recomputed in backward (activation checkpointing), so the (B, T, vocab) tensor is
-    never held at once. Entropy (B, T) is computed without grad. Padding positions hold 0.
+    """Per-token log-probs (B, T) of the completion tokens, logits divided by `temperature`, and their entropy
+    (B, T, no grad; None without with_entropy); padding holds 0. Only completion positions go through the LM head,
+    in chunks of `chunk_tokens` whose fp32 log-softmax is recomputed in backward, so no (B, T, vocab) tensor is held.
     A model sharded by shard_model runs the same code as its registered FSDP forward method."""
     sharded = getattr(model, "rlvr_completion_logps", None)
     if sharded is not None:
@@ -852,34 +649,28 @@ def _completion_logps(
     model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
-    input_ids = batch.input_ids.to(device)
     body = getattr(model, model.base_model_prefix)
     mask = batch.completion_mask.to(device).bool()
     if batch.block_ids is None:  # padded rows
         attention = batch.attention_mask.to(device)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        T = batch.completion_ids.shape[1]
-        with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
-            hidden = body(
-                input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False
-            ).last_hidden_state  # (B, L, H)
-        flat_hidden = hidden[:, -T - 1 : -1, :][mask]  # position P+t-1 predicts completion token t -> (N, H)
     else:  # packed groups: every prompt once
-        with autocast_context(model):
-            hidden = body(
-                input_ids=input_ids,
-                attention_mask=pack_attention_mask(model, batch.block_ids.to(device)),
-                position_ids=batch.position_ids.to(device),
-                use_cache=False,
-            ).last_hidden_state  # (n, L, H)
+        attention = pack_attention_mask(model, batch.block_ids.to(device))
+        position_ids = batch.position_ids.to(device)
+    with autocast_context(model):  # bf16 compute on CUDA (fp32 master weights); no-op on CPU
+        inputs = dict(input_ids=batch.input_ids.to(device), attention_mask=attention, position_ids=position_ids)
+        hidden = body(**inputs, use_cache=False).last_hidden_state  # (n, L, H)
+    if batch.block_ids is None:
+        T = batch.completion_ids.shape[1]
+        flat_hidden = hidden[:, -T - 1 : -1, :][mask]  # position P+t-1 predicts completion token t -> (N, H)
+    else:
         flat_hidden = hidden.flatten(0, 1)[batch.gather.to(device)]  # (N, H) real completion tokens, row-major
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     flat_targets = batch.completion_ids.to(device)[mask]
     logps, ents = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h = flat_hidden[start : start + chunk_tokens]
-        y = flat_targets[start : start + chunk_tokens]
+        h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
         with autocast_context(model):  # the recompute in backward restores the same autocast state
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
@@ -891,11 +682,10 @@ def _completion_logps(
         ents.append(ent)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-        entropy = entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
-    return out, entropy
+    if not with_entropy:
+        return out, None
+    entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+    return out, entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
 
 
 def pack_attention_mask(model, block_ids: torch.Tensor) -> torch.Tensor:
@@ -913,95 +703,46 @@ def pack_attention_mask(model, block_ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-@torch.no_grad()
-def batch_logps(
-    model,
-    rollout: RolloutBatch,
-    rows: Sequence[int],
-    pad_id: int,
-    temperature: float,
-    token_budget: int,
-    chunk_tokens: int = 256,
-) -> torch.Tensor:
-    """No-grad per-token log-probs (len(rows), T) for `rows` of the rollout, in micro-batches; T is the longest
-    completion of the WHOLE rollout, so the result lines up with `completion_mask_of(rollout)` for any subset."""
-    T = max(1, int(rollout.completion_lengths.max()))
-    out = torch.zeros((len(rows), T), dtype=torch.float32)
-    position = {r: i for i, r in enumerate(rows)}
-    was_training = model.training
-    model.eval()
-    try:
-        for mb in micro_batches(rollout, list(rows), token_budget, model):
-            lp, _ = completion_logps(model, rows_batch(rollout, mb, pad_id), temperature, chunk_tokens, with_entropy=False)
-            for j, r in enumerate(mb):
-                out[position[r], : lp.shape[1]] = lp[j].cpu()
-    finally:
-        model.train(was_training)
-    return out
+def _chunk_logp_entropy(hidden, weight, bias, targets, temperature: float, softcap: float | None):
+    """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
+    logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    with torch.no_grad():
+        log_probs = logits.detach() - logz.detach().unsqueeze(-1)  # (N, V) log p
+        entropy = -(log_probs.exp() * log_probs).sum(-1)  # H = -sum_v p log p: small terms, no large ones cancelling
+    return logp, entropy
 
 
-def accumulation_weight(
-    loss_agg: str, micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int, minibatch_rows: int
-) -> float:
-    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch loss, so that
-    gradient accumulation gives the same gradient as one pass over the whole mini-batch (token-mean:
-    divide by the mini-batch's token count, not each micro-batch's)."""
-    if loss_agg == "token-mean":
-        return micro_mask.sum().item() / max(minibatch_tokens, 1.0)
-    return micro_rows / max(minibatch_rows, 1)  # sequence means and the constant Dr. GRPO normaliser
-
-
-# ----- the engine against the trainer: importance weights for the rollout mismatch, and a stale-engine check
+# ----- 6. the engine against the trainer: the rollout correction, the mismatch metrics, a stale-engine check
 
 ROLLOUT_IS_CAP = {"token-tis": 2.0, "seq-mask": 3.0}  # the standard C of --rollout-is-cap 0 (verl/oat; TRL)
 ICEPOP_BAND = (0.5, 5.0)  # icepop keeps rho_t inside [0.5, 5] (verl's decoupled_token_icepop)
 MISMATCH_BAND = (0.5, 2.0)  # mismatch/rho_out_frac: tokens with rho_t outside it
 
 
-def rollout_is_weights(mode: str, log_rho: torch.Tensor, mask: torch.Tensor, cap: float = 0.0) -> torch.Tensor | None:
-    """Detached importance weights (b, T) of the rollout correction, rho_t = pi_old(o_t) / mu(o_t) with mu the
-    engine's probability: log_rho, mask (b, T). None for mode "none" (no correction).
-      token-tis  w_t = min(rho_t, C)                                        (C = --rollout-is-cap, default 2)
-      seq-mask   w_t = rho_seq = exp(sum_t log rho_t) if rho_seq <= C, else 0 for the whole sequence (C default 3)
-      icepop     w_t = rho_t if 0.5 <= rho_t <= 5, else 0"""
-    if mode == "none":
-        return None
-    log_rho = log_rho.detach() * mask
-    if mode == "token-tis":
-        w = torch.exp(log_rho.clamp(max=math.log(cap or ROLLOUT_IS_CAP[mode])))  # min(rho, C), in log space
-    elif mode == "seq-mask":
-        log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # (b, 1) log rho_seq, compared in log space (no overflow)
-        limit = math.log(cap or ROLLOUT_IS_CAP[mode])
-        keep = log_rho_seq <= limit
-        w = torch.where(keep, torch.exp(log_rho_seq.clamp(max=limit)), 0.0).expand_as(mask)
-    elif mode == "icepop":
-        lo, hi = ICEPOP_BAND
-        w = torch.where((log_rho >= math.log(lo)) & (log_rho <= math.log(hi)), torch.exp(log_rho), 0.0)
-    else:
-        raise ValueError(f"unknown rollout correction {mode!r}")
-    return w * mask
+class RolloutCorrection:
+    """The engine's sampling log-probs mu against the trainer's old log-probs pi_old, rho = pi_old / mu, row by row
+    as the update loop meets them (each row once per step). `weights(rows, old, mask)`: the importance weights of
+    --rollout-is (None: no correction) and the statistics behind metrics() (mismatch/, and rollout_is/ with a
+    correction); `check_engine(step)`: stop the run when the step's first mini-batch shows an engine that is not
+    sampling from the trainer's weights. Inert where the engine returned no log-probs."""
 
-
-class Mismatch:
-    """The engine's sampling log-probs mu against the trainer's old log-probs pi_old, row by row as the update loop
-    meets them (every row once per step, with the pi_old it is trained against). Holds the engine log-probs as
-    (B, T) like the mask (rows of this process); inert when the engine returned none. `weights(rows, old, mask)`
-    gives the correction's importance weights (or None) and accumulates the raw statistics; `check_once(step)`
-    stops the run at the first mini-batch of a step whose engine is not sampling from the trainer's weights;
-    `metrics()` gives the mismatch/ and rollout_is/ keys (several processes: summed over the ranks)."""
+    SUMS = ("tokens", "abs", "k3", "out", "seqs", "seq_gmean", "w_changed", "w_zeroed", "w_sum", "seq_changed", "seq_zeroed")
 
     def __init__(self, rollout, mask: torch.Tensor, mode: str = "none", cap: float = 0.0, max_diff: float = 0.0):
         self.mode, self.cap, self.max_diff, self.checked = mode, cap, max_diff, False
-        self.engine = None
-        if rollout.has_engine_logps:  # (B, T): row-major boolean indexing visits each row's tokens in packed order
+        self.engine = None  # (B, T) engine log-probs of the rows this process holds, like the mask
+        if rollout.has_engine_logps:  # row-major boolean indexing visits each row's tokens in packed order
             held = torch.zeros(mask.shape[0], dtype=torch.bool)
             held[rollout.rows] = True
             self.engine = torch.zeros_like(mask)
             self.engine[mask.bool() & held.unsqueeze(1)] = rollout.engine_logps_flat().to(mask.dtype)
-        self.sums = dict.fromkeys(
-            ("tokens", "abs", "k3", "out", "seqs", "seq_gmean", "w_changed", "w_zeroed", "w_sum", "seq_changed", "seq_zeroed"),
-            0.0,
-        )
+        self.sums = dict.fromkeys(self.SUMS, 0.0)
         self.abs_max, self.seq_min, self.seq_max = 0.0, math.inf, -math.inf
 
     @property
@@ -1010,40 +751,33 @@ class Mismatch:
 
     def log_rho(self, rows, old: torch.Tensor) -> torch.Tensor | None:
         """(b, T_m) log rho = old - engine log-prob of `rows`, None without engine log-probs."""
-        if self.engine is None:
-            return None
-        return old.detach() - self.engine[rows, : old.shape[1]].to(old.device)
+        return None if self.engine is None else old.detach() - self.engine[rows, : old.shape[1]].to(old.device)
 
+    @torch.no_grad()
     def weights(self, rows, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         log_rho = self.log_rho(rows, old)
         if log_rho is None:
             return None
         mask = mask.to(log_rho.dtype)
         w = rollout_is_weights(self.mode, log_rho, mask, self.cap)
-        with torch.no_grad():
-            lr, rho, n_tok = log_rho * mask, torch.exp(log_rho) * mask, mask.sum(1)  # (b, T), (b, T), (b,)
-            real = n_tok > 0
-            lo, hi = MISMATCH_BAND
-            gmean = torch.exp(lr.sum(1)[real] / n_tok[real])  # (b',) per-sequence geometric mean of rho
-            self.sums["tokens"] += mask.sum().item()
-            self.sums["abs"] += lr.abs().sum().item()
-            self.sums["k3"] += ((rho - 1.0 - lr) * mask).sum().item()  # k3 of KL(mu || pi_old), samples from mu
-            self.sums["out"] += (((lr < math.log(lo)) | (lr > math.log(hi))) & mask.bool()).sum().item()
-            self.sums["seqs"] += float(real.sum())
-            self.sums["seq_gmean"] += gmean.sum().item()
-            self.abs_max = max(self.abs_max, lr.abs().max().item() if lr.numel() else 0.0)
-            if gmean.numel():
-                self.seq_min, self.seq_max = min(self.seq_min, gmean.min().item()), max(self.seq_max, gmean.max().item())
-            if w is not None:
-                changed, zeroed = (w != mask) & mask.bool(), (w == 0) & mask.bool()  # (b, T)
-                self.sums["w_changed"] += changed.sum().item()
-                self.sums["w_zeroed"] += zeroed.sum().item()
-                self.sums["w_sum"] += w.sum().item()
-                self.sums["seq_changed"] += (changed.any(1) & real).sum().item()
-                self.sums["seq_zeroed"] += ((zeroed | ~mask.bool()).all(1) & real).sum().item()
+        lr, rho, n_tok = log_rho * mask, torch.exp(log_rho) * mask, mask.sum(1)  # (b, T), (b, T), (b,)
+        real, real_tok = n_tok > 0, mask.bool()
+        gmean = torch.exp(lr.sum(1)[real] / n_tok[real])  # (b',) per-sequence geometric mean of rho
+        outside = (lr < math.log(MISMATCH_BAND[0])) | (lr > math.log(MISMATCH_BAND[1]))
+        add = {"tokens": mask.sum(), "abs": lr.abs().sum(), "k3": ((rho - 1.0 - lr) * mask).sum()}  # k3: KL(mu || pi_old)
+        add |= {"out": (outside & real_tok).sum(), "seqs": real.sum(), "seq_gmean": gmean.sum()}
+        if w is not None:
+            changed, zeroed = (w != mask) & real_tok, (w == 0) & real_tok  # (b, T)
+            add |= {"w_changed": changed.sum(), "w_zeroed": zeroed.sum(), "w_sum": w.sum()}
+            add |= {"seq_changed": (changed.any(1) & real).sum(), "seq_zeroed": ((zeroed | ~real_tok).all(1) & real).sum()}
+        for k, v in add.items():
+            self.sums[k] += v.item()
+        self.abs_max = max(self.abs_max, lr.abs().max().item() if lr.numel() else 0.0)
+        if gmean.numel():
+            self.seq_min, self.seq_max = min(self.seq_min, gmean.min().item()), max(self.seq_max, gmean.max().item())
         return w
 
-    def check_once(self, step: int) -> None:
+    def check_engine(self, step: int) -> None:
         """After the step's first mini-batch: RunError on every rank when the mean |log rho| of its tokens exceeds
         --max-engine-logp-diff (the engine kept old weights: a push that did not land). Later calls do nothing."""
         if self.checked or self.engine is None or self.max_diff <= 0:
@@ -1064,17 +798,15 @@ class Mismatch:
         if self.engine is None or not bool(world().max(float(self.sums["tokens"] > 0))):
             return {}
         s = world().sum(self.sums)
-        abs_max, seq_max = world().max(self.abs_max), world().max(self.seq_max)
-        seq_min = -world().max(-self.seq_min)
         n, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
         out = {
             "mismatch/abs_log_rho_mean": s["abs"] / n,
-            "mismatch/abs_log_rho_max": abs_max,
+            "mismatch/abs_log_rho_max": world().max(self.abs_max),
             "mismatch/kl_k3": s["k3"] / n,
             "mismatch/rho_out_frac": s["out"] / n,
-            "mismatch/seq_rho_gmean_min": seq_min,
+            "mismatch/seq_rho_gmean_min": -world().max(-self.seq_min),
             "mismatch/seq_rho_gmean_mean": s["seq_gmean"] / seqs,
-            "mismatch/seq_rho_gmean_max": seq_max,
+            "mismatch/seq_rho_gmean_max": world().max(self.seq_max),
         }
         if self.mode != "none":
             out |= {
@@ -1087,114 +819,72 @@ class Mismatch:
         return out
 
 
-# ----- the optimizer and gradient clipping
+def rollout_is_weights(mode: str, log_rho: torch.Tensor, mask: torch.Tensor, cap: float = 0.0) -> torch.Tensor | None:
+    """Detached importance weights (b, T) of the rollout correction, rho_t = pi_old(o_t) / mu(o_t) with mu the
+    engine's probability: log_rho, mask (b, T). None for mode "none" (no correction).
+      token-tis  w_t = min(rho_t, C)                                        (C = --rollout-is-cap, default 2)
+      seq-mask   w_t = rho_seq = exp(sum_t log rho_t) if rho_seq <= C, else 0 for the whole sequence (C default 3)
+      icepop     w_t = rho_t if 0.5 <= rho_t <= 5, else 0"""
+    if mode == "none":
+        return None
+    log_rho = log_rho.detach() * mask
+    if mode == "token-tis":
+        w = torch.exp(log_rho.clamp(max=math.log(cap or ROLLOUT_IS_CAP[mode])))  # min(rho, C), in log space
+    elif mode == "seq-mask":
+        log_rho_seq = log_rho.sum(dim=1, keepdim=True)  # (b, 1) log rho_seq, compared in log space (no overflow)
+        limit = math.log(cap or ROLLOUT_IS_CAP[mode])
+        w = torch.where(log_rho_seq <= limit, torch.exp(log_rho_seq.clamp(max=limit)), 0.0).expand_as(mask)
+    elif mode == "icepop":
+        lo, hi = ICEPOP_BAND
+        w = torch.where((log_rho >= math.log(lo)) & (log_rho <= math.log(hi)), torch.exp(log_rho), 0.0)
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}")
+    return w * mask
 
 
-def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
-    """Fused AdamW over the trainable parameters (one kernel per parameter group instead of a Python loop over
-    every tensor); its state takes their dtype (fp32 from load_model). Constant learning rate after a linear
-    warm-up of `warmup_updates` updates."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
-    if low:
-        warnings.warn(
-            f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
-            "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)",
-            stacklevel=2,
-        )
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=fused or None)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
-    return opt, sched
+# ----- 7. the update: micro-batch shares, the gradient norm
 
 
-def clip_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over the trainable parameters; the global norm as a plain tensor (FSDP2: the same on
-    every rank, so a non-finite check fires on all ranks together)."""
+def accumulation_weight(
+    unit: Literal["token", "sequence"], micro_mask: torch.Tensor, minibatch_tokens: float, micro_rows: int, minibatch_rows: int
+) -> float:
+    """The share of the mini-batch's loss a micro-batch's own aggregated loss carries, so that accumulating the
+    micro-batches' gradients gives the gradient of one pass over the mini-batch: a loss averaged over tokens
+    ("token") weighs by the micro-batch's tokens, one averaged (or normalised) over sequences by its rows."""
+    if unit == "token":
+        return micro_mask.sum().item() / max(minibatch_tokens, 1.0)
+    if unit == "sequence":
+        return micro_rows / max(minibatch_rows, 1)
+    raise ValueError(f"accumulation_weight: unit must be 'token' or 'sequence', not {unit!r}")
+
+
+def clip_grad_norm(model, max_norm: float, scaler: torch.amp.GradScaler | None = None, step: int = 0, update: int = 0):
+    """clip_grad_norm_ over the trainable parameters -> the global norm as a plain tensor (FSDP2: the same on every
+    rank). A non-finite norm stops the run (RunError on every rank), except under fp16's loss scaling: `scaler.step`
+    then skips the update and lowers the scale (losses/update_skipped)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def check_grad_norm(grad_norm: torch.Tensor, step: int, update: int) -> None:
-    """RunError for a non-finite gradient norm (the global norm: every rank raises the same line)."""
-    if not torch.isfinite(grad_norm):
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if scaler is not None and not scaler.is_enabled() and not torch.isfinite(norm):
         error = RunError(
             f"non-finite gradient norm at step {step} (update {update}); lower --learning-rate or check "
             "the data; the last checkpoint is intact"
         )
         error.on_every_rank = True
         raise error
+    return norm
 
 
-class LossScale:
-    """The update after the micro-batches' backward passes. --dtype fp16: dynamic loss scaling (torch.amp.GradScaler):
-    `scale(loss)` before backward; `step(...)` unscales, clips the global norm and steps, or skips the update and
-    lowers the scale when the gradients hold an inf/NaN (counted, not an error). bf16 and fp32: `scale` is the
-    identity and a non-finite norm stops the run (check_grad_norm). `step` returns the norm; `metrics(norm)` the
-    row's keys (a skipped update's norm is left out of the row, never written as inf)."""
-
-    def __init__(self, dtype: str, device: torch.device):
-        self.scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
-        self.skipped = 0
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scaler is None else self.scaler.scale(loss)
-
-    def step(self, model, optimizer, max_norm: float, step: int, update: int) -> torch.Tensor:
-        if self.scaler is None:
-            norm = clip_grad_norm(model, max_norm)  # the global norm (torchrun: every rank's)
-            check_grad_norm(norm, step, update)  # non-finite: RunError on every rank
-            optimizer.step()
-            return norm
-        self.scaler.unscale_(optimizer)
-        norm = clip_grad_norm(model, max_norm)
-        self.scaler.step(optimizer)  # skipped when the unscaled gradients are not finite
-        self.scaler.update()
-        self.skipped += int(not torch.isfinite(norm))
-        return norm
-
-    def metrics(self, norm: torch.Tensor) -> dict:
-        out = {"losses/grad_norm": norm.item()} if torch.isfinite(norm) else {}
-        if self.scaler is not None:
-            out |= {"charts/loss_scale": self.scaler.get_scale(), "losses/updates_skipped": self.skipped}
-        return out
-
-    def state_dict(self) -> dict:
-        return {} if self.scaler is None else {"scaler": self.scaler.state_dict(), "skipped": self.skipped}
-
-    def load_state_dict(self, state: dict | None) -> None:
-        if self.scaler is not None and state:
-            self.scaler.load_state_dict(state["scaler"])
-            self.skipped = state["skipped"]
+def grad_metrics(grad_norm: torch.Tensor, scaler: torch.amp.GradScaler) -> dict:
+    """losses/grad_norm (left out of a skipped update's row, never written as inf); with fp16's loss scaling also
+    its scale and whether this update was skipped."""
+    finite = bool(torch.isfinite(grad_norm))
+    out = {"losses/grad_norm": grad_norm.item()} if finite else {}
+    if scaler.is_enabled():
+        out |= {"charts/loss_scale": scaler.get_scale(), "losses/update_skipped": float(not finite)}
+    return out
 
 
-# ----- per-step timers and metric logging
-
-
-class Timers:
-    """Accumulating wall-clock timers per phase (`with timers("rollout"): ...`): `step` for the current step
-    (reset_step), `total` for the run."""
-
-    def __init__(self, names: Iterable[str]):
-        self.total = {n: 0.0 for n in names}
-        self.step = {n: 0.0 for n in names}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            self.total[name] = self.total.get(name, 0.0) + dt
-            self.step[name] = self.step.get(name, 0.0) + dt
-
-    def reset_step(self) -> None:
-        self.step = {n: 0.0 for n in self.total}
+# ----- 8. metrics: memory, the metrics file, the console
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -1205,42 +895,12 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class RunLogger:
-    """metrics.jsonl (one flat row per optimizer update / evaluation), TensorBoard when installed, W&B when
-    --track; args.json once. Several processes: rank 0 writes every file, the other ranks none. The evaluation files
-    and the rollout dump: write_eval, write_rollouts (Part B)."""
+    """metrics.jsonl, one flat row per optimizer update or evaluation, and the writers open_run_logger (Part B)
+    added (TensorBoard, W&B: writer(row, x), x the update or step). Several processes: only rank 0's logger writes."""
 
-    def __init__(
-        self, run_dir: str, args, resume_from_step: int | None = None, track: bool = False, project: str = "rlvr-reference"
-    ):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, enabled: bool = True, writers: Sequence[Callable] = (), closers: Sequence[Callable] = ()):
+        self.run_dir, self.enabled, self.writers, self.closers = run_dir, enabled, list(writers), list(closers)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        self.tb = self.wandb = None
-        self.enabled = world().is_main
-        if not self.enabled:
-            return
-        os.makedirs(run_dir, exist_ok=True)
-        if resume_from_step is not None:
-            # drop rows written after the checkpoint so the resumed run re-creates them exactly once
-            for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
-                _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
-        if importlib.util.find_spec("tensorboard") is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        if track:
-            try:
-                import wandb
-            except ImportError:
-                raise UserError("--track needs wandb: pip install wandb") from None
-            self.wandb = wandb.init(
-                project=project,
-                name=os.path.basename(run_dir),
-                config=dataclasses.asdict(args),
-                resume="allow",
-                id=os.path.basename(run_dir),
-            )
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -1248,33 +908,20 @@ class RunLogger:
         row = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in row.items()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        x = row.get("update", row.get("step", 0))
-        if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "update"):
-                    self.tb.add_scalar(k, v, x)
-        if self.wandb is not None:
-            self.wandb.log(row, step=x)
+        for write in self.writers:
+            write(row, row.get("update", row.get("step", 0)))
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for close in self.closers:
+            close()
 
 
 def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
-    """`step s/total | key value | ...` for the console (per-tier eval keys left out)."""
-    parts = [f"step {step}/{total}"]
-    keys = [k for k in keys if not is_tier_key(k)]  # per-tier eval keys: metrics.jsonl only, not the console
-    suite = any(k.startswith("eval/") and k.count("/") == 2 for k in keys)  # eval sets: eval/<set>/pass@k
-    for k in keys:
-        if suite and k.startswith("eval/") and k.count("/") == 1:
-            continue  # eval/pass@k repeats the first set's eval/<set>/pass@k
-        if k in row and row[k] is not None:
-            v, name = row[k], k.split("/", 1)[-1]  # eval/<set>/pass@1 -> <set>/pass@1
-            parts.append(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}")
-    return " | ".join(parts)
+    """`step s/total | key value | ...` of the keys present in `row`, each without its namespace."""
+    shown = [(k.split("/", 1)[-1], row[k]) for k in keys if row.get(k) is not None]
+    return " | ".join(
+        [f"step {step}/{total}", *(f"{name} {v:.4g}" if isinstance(v, float) else f"{name} {v}" for name, v in shown)]
+    )
 
 
 # ==============================================================================================
@@ -1284,23 +931,9 @@ def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:
 # ----- random streams: every seed a run derives from --seed, in one place (the data splits' seeds:
 # verifiers.ARITH_EVAL_SEED_OFFSET, verifiers.HOLDOUT_SHUFFLE_SEED)
 
-RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
-SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
-MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
-EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
-
 
 def rank_seed(seed: int, rank: int) -> int:
     return seed + RANK_SEED_STRIDE * rank
-
-
-def sampler_seed(seed: int, epoch: int) -> int:
-    return seed * SAMPLER_SEED_STRIDE + epoch
-
-
-def minibatch_generator(seed: int, step: int) -> torch.Generator:
-    """The generator of step `step`'s mini-batch plan: the same on every rank."""
-    return torch.Generator().manual_seed(seed * MINIBATCH_SEED_STRIDE + step)
 
 
 def eval_seed(seed: int) -> int:
@@ -1569,16 +1202,15 @@ def run_cli(main: Callable, args_cls: type) -> None:
         main(parse_args(args_cls))
     except (UserError, RunError) as exc:
         # an error every rank raised together (World.agree, a non-finite global norm, a bad flag: every rank
-        # checks the same flags before the process group exists) is printed once, by rank 0
+        # checks the same flags before the process group exists) is reported by one rank; any other by its own
         together = getattr(exc, "on_every_rank", False) or (isinstance(exc, UserError) and not world().enabled)
-        if os.environ.get("RANK", "0") == "0" or not together:
-            print(f"error: {exc}", file=sys.stderr)
+        report_error(f"error: {exc}", together)
         code = 2 if isinstance(exc, UserError) else 1
     except torch.OutOfMemoryError:
-        print(
+        report_error(
             "error: out of memory. Lower --micro-batch-tokens, --prompts-per-step, --num-generations or "
             "--max-new-tokens (or --gen-batch-size for generation), or enable --gradient-checkpointing.",
-            file=sys.stderr,
+            together=False,
         )
         sys.exit(3)
     except KeyboardInterrupt:
@@ -1593,6 +1225,81 @@ def run_cli(main: Callable, args_cls: type) -> None:
         world().shutdown()
     if code:
         sys.exit(code)
+
+
+ERROR_REPORT_WAIT_S = 60.0  # the longest a failing rank waits for the other failing ranks' lines to be printed
+ERROR_REPORT_GRACE_S = 2.0  # and how long it waits for a rank that fails at the same time to say so
+
+
+def report_error(line: str, together: bool) -> None:
+    """Print an error line on stderr so that every failing rank's reason reaches the user exactly once, whichever
+    rank exits first (torchrun stops every rank as soon as one has exited). One process: printed. Several: a line
+    every rank has (`together`) is printed by the rank that claims it first in torchrun's store, a rank's own error
+    by that rank, with its rank; no failing rank leaves before every rank that failed with it has printed. Without
+    torchrun's store (another launcher), each rank prints its own error and rank 0 a shared one."""
+    import datetime
+
+    if env_world_size() == 1:
+        print(line, file=sys.stderr, flush=True)
+        return
+    rank = os.environ.get("RANK", "0")
+    store = _launcher_store()
+    if store is None:
+        if not together or rank == "0":
+            print(line if together else f"{line} (rank {rank})", file=sys.stderr, flush=True)
+        return
+    key = f"rlvr/error/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.add(f"{key}/failing", 1)
+    if not together:
+        print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
+    elif store.add(f"{key}/claims", 1) == 1:  # the first rank with the shared line prints it
+        print(line, file=sys.stderr, flush=True)
+    else:  # the others wait until it is out
+        try:
+            store.wait([f"{key}/printed"], datetime.timedelta(seconds=ERROR_REPORT_WAIT_S))
+        except (RuntimeError, TimeoutError):  # the claiming rank died before printing: better twice than never
+            print(line, file=sys.stderr, flush=True)
+    if together:
+        store.set(f"{key}/printed", "1")
+    store.add(f"{key}/reported", 1)
+    start = time.monotonic()
+    while time.monotonic() - start < ERROR_REPORT_WAIT_S:  # every rank that failed too has printed its line
+        if (
+            store.add(f"{key}/reported", 0) >= store.add(f"{key}/failing", 0)
+            and time.monotonic() - start >= ERROR_REPORT_GRACE_S
+        ):
+            return
+        time.sleep(0.05)
+
+
+def _launcher_store():
+    """torchrun's own TCPStore, which its workers may use (TORCHELASTIC_USE_AGENT_STORE), as a client; else None."""
+    import datetime
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        import torch.distributed as td
+
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return td.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    except (KeyError, ValueError, RuntimeError, TimeoutError):
+        return None
+
+
+class _ConsoleHandler(logging.Handler):
+    """CONSOLE's lines through tqdm.write (a progress bar is redrawn below them): INFO on stdout, notes, warnings
+    and above on stderr; the stream is looked up per line (pytest replaces them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr if record.levelno >= logging.WARNING else sys.stdout)
+
+
+CONSOLE.addHandler(_ConsoleHandler())
+CONSOLE.propagate = False
+CONSOLE.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.ERROR)  # torchrun: rank 0 speaks
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):
@@ -1615,10 +1322,8 @@ def parse_args(args_cls: type, argv: Sequence[str] | None = None):
     if rest:
         raise UserError(f"unknown argument(s): {' '.join(rest)} (see --help)")
     if values.get("exp_name") not in (None, args_cls.exp_name) and args.exp_name == values["exp_name"]:
-        print(
-            f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps "
-            f"(pass --exp-name to change it)",
-            file=sys.stderr,
+        CONSOLE.warning(
+            f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps (pass --exp-name to change it)"
         )
     return args
 
@@ -1679,10 +1384,9 @@ def load_config(path: str, args_cls: type) -> dict:
         name = key.replace("-", "_")
         if name in NOT_REPLAYED:
             if value and name != "config":
-                print(
+                CONSOLE.warning(
                     f"note: --config {path}: {name} {value!r} is not replayed (a replay is a new run); pass "
-                    f"--{name.replace('_', '-')} on the command line to set it",
-                    file=sys.stderr,
+                    f"--{name.replace('_', '-')} on the command line to set it"
                 )
             continue
         values[name] = _config_value(path, name, value, hints[name])
@@ -1787,6 +1491,127 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, n))
 
 
+def resolve_model_path(name: str) -> str:
+    """Embedded alias -> cached folder; local folder -> itself (a checkpoint folder -> its model/); else a hub id."""
+    if name == EMBEDDED_MODEL:
+        return embedded_model_dir()
+    if os.path.isdir(name):
+        name = checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise UserError(f"model folder {name} has no config.json (not a transformers model folder)")
+        return name
+    if os.path.exists(name):
+        raise UserError(f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}")
+    return name
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of `name` (local files first, then the hub), left padding, pad = EOS if it has no pad token."""
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, name)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(
+    name: str,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+    compute_dtype: torch.dtype | None | str = "auto",
+):
+    """Causal LM on `device`. `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU;
+    or a torch dtype) is the autocast dtype of its
+    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
+
+    trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
+    state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
+    so that --gradient-checkpointing takes effect; dropout stays at the model's config.
+    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
+    from transformers import AutoModelForCausalLM
+
+    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
+    model.to(device)
+    model.config.use_cache = False
+    model.autocast_dtype = compute_dtype  # read by autocast_context(model)
+    if trainable:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # from_pretrained returns eval mode; transformers checkpoints decoder layers only in training mode
+        model.train()
+        dropout = {
+            k: v
+            for k, v in model.config.to_dict().items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+        }
+        if dropout:
+            CONSOLE.info(
+                f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
+                "training-mode forward passes then differ from the sampler's (docs/precision.md)"
+            )
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def model_dtypes(
+    device: torch.device, trainable: bool = True, compute_dtype: torch.dtype | None | str = "auto"
+) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype) of a model loaded by load_model. CUDA: fp32 master weights with bf16 (or,
+    for "fp16", fp16) compute for the policy, weights in the compute dtype for the frozen reference; CPU: fp32 and no
+    autocast ("auto", "bf16" and "fp16" name the CUDA compute dtype)."""
+    if compute_dtype in ("auto", "bf16", "fp16"):
+        cuda_dtype = torch.float16 if compute_dtype == "fp16" else torch.bfloat16
+        compute_dtype = cuda_dtype if device.type == "cuda" else None
+    return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
+
+
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    *,
+    model_path: str,
+    max_model_len: int,
+    seed: int,
+    gen_batch_size: int,
+    gpu_memory_utilization: float,
+    return_logps: bool = False,
+    dtype: str = "bf16",
+):
+    """`auto`: vLLM when a GPU and vLLM are present, otherwise the HF engine. `vllm` also runs on CPU
+    with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
+    `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU."""
+    if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+        return VLLMEngine.colocated(
+            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization, dtype
+        )
+    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
+    """Fused AdamW over the trainable parameters (one kernel per parameter group instead of a Python loop over
+    every tensor); its state takes their dtype (fp32 from load_model). Constant learning rate after a linear
+    warm-up of `warmup_updates` updates."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(
+            f"AdamW on {'/'.join(low)} parameters: updates smaller than about 1/256 of a weight round "
+            "away (docs/precision.md); load the policy with common.load_model (fp32 master weights)",
+            stacklevel=2,
+        )
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99), fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: min(1.0, (u + 1) / max(1, warmup_updates)))
+    return opt, sched
+
+
 # ----- several processes (torchrun + FSDP2; docs/distributed.md)
 #
 # `python gapo.py` is world size 1: no process group, no wrapping, and every World method below returns its input
@@ -1813,23 +1638,14 @@ def minibatch_group_counts(num_prompts: int, num_minibatches: int) -> list[int]:
     return [n for m in range(num_minibatches) if (n := min(per, num_prompts - m * per)) > 0]
 
 
-class World:
-    """The training processes: rank, world size, device, and the few collectives the scripts use.
+class DistributedWorld(World):
+    """The processes of a torchrun launch (World's methods, each a collective over the process group init_world
+    joined): rank, world size, the rank's device, and how a batch is split over the ranks."""
 
-    World size 1 (plain `python`): no process group; every method is the identity on its input."""
-
-    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, device: torch.device | None = None):
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.device = device
+    def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device):
+        self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
+        self.enabled, self.is_main = world_size > 1, rank == 0
         self._closers: list[Callable[[], None]] = []  # run by shutdown() before the process group goes
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     # -- splitting a batch ---------------------------------------------------------------------
     def deal_groups(self, minibatches: Sequence[Sequence[int]], group_size: int) -> list[int]:
@@ -1850,8 +1666,6 @@ class World:
         micro-batches (3 against 2 hangs). The count is agreed (MAX over ranks) and a rank with fewer splits its
         largest ones; the ranks hold equal numbers of rows (whole groups dealt evenly), so this always succeeds.
         Splitting changes no number but float summation order. World size 1: unchanged."""
-        if not self.enabled:
-            return micro_batches
         out = list(micro_batches)
         target = int(self.max(len(out)))
         while len(out) < target:
@@ -1869,8 +1683,6 @@ class World:
     def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """values (B, ...) valid on this rank's `rows` only -> valid on every row, on every rank (each row has
         exactly one owner: a SUM of the owner's value and zeros, exact in any dtype)."""
-        if not self.enabled:
-            return values
         import torch.distributed as td
 
         own = torch.zeros(values.shape[0], dtype=torch.bool)
@@ -1882,8 +1694,6 @@ class World:
 
     def sum(self, values):
         """All-reduce SUM of a float, a tensor, or a dict of floats (in float64: metric sums and counts)."""
-        if not self.enabled:
-            return values
         import torch.distributed as td
 
         if isinstance(values, dict):
@@ -1897,8 +1707,6 @@ class World:
         return self.sum(torch.tensor([float(values)], dtype=torch.float64)).item()
 
     def max(self, value: float) -> float:
-        if not self.enabled:
-            return value
         import torch.distributed as td
 
         out = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
@@ -1907,8 +1715,6 @@ class World:
 
     def gather_objects(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] on every rank (pickled: small things only)."""
-        if not self.enabled:
-            return [obj]
         import torch.distributed as td
 
         out = [None] * self.world_size
@@ -1917,8 +1723,6 @@ class World:
 
     def broadcast_object(self, obj):
         """Rank 0's `obj` on every rank."""
-        if not self.enabled:
-            return obj
         import torch.distributed as td
 
         box = [obj]
@@ -1926,16 +1730,13 @@ class World:
         return box[0]
 
     def barrier(self) -> None:
-        if self.enabled:
-            import torch.distributed as td
+        import torch.distributed as td
 
-            td.barrier()
+        td.barrier()
 
     def agree(self, fn: Callable, *args, **kwargs):
         """fn(*args) on every rank; if it raised on any rank, every rank raises the same one-line error (that of
         the lowest failing rank), so no rank is left waiting in the next collective."""
-        if not self.enabled:
-            return fn(*args, **kwargs)
         try:
             result, failure = fn(*args, **kwargs), None
         except (UserError, RunError) as exc:
@@ -1977,17 +1778,9 @@ def _split_micro_batch(micro):
     return [MicroBatch.of_packs(packs[:half]), MicroBatch.of_packs(packs[half:])]
 
 
-_WORLD = World()
-
-
-def world() -> World:
-    """The current World (world size 1 until init_world runs under torchrun)."""
-    return _WORLD
-
-
 def init_world() -> World:
-    """Under torchrun: join the process group (gloo on CPU, NCCL with the rank's GPU), quiet the other ranks'
-    stdout and progress bars. Plain `python`: world size 1, nothing happens."""
+    """Under torchrun: join the process group (gloo on CPU, NCCL with the rank's GPU) and quiet the other ranks
+    (quiet_rank). Plain `python`: world size 1, nothing happens."""
     global _WORLD
     if env_world_size() == 1 or _WORLD.enabled:
         return _WORLD
@@ -1995,7 +1788,7 @@ def init_world() -> World:
 
     import torch.distributed as td
 
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -2004,19 +1797,24 @@ def init_world() -> World:
     else:
         device = torch.device("cpu")
         td.init_process_group("gloo", timeout=timeout)
-    _WORLD = World(td.get_rank(), td.get_world_size(), local_rank, device)
-    if rank != 0:  # one console: metrics lines, summaries and progress bars come from rank 0 (errors: every rank)
-        sys.stdout = open(os.devnull, "w")
-        import tqdm.std
-
-        quiet_init = tqdm.std.tqdm.__init__
-
-        def _quiet(self, *a, **kw):
-            kw["disable"] = True
-            quiet_init(self, *a, **kw)
-
-        tqdm.std.tqdm.__init__ = _quiet
+    _WORLD = DistributedWorld(td.get_rank(), td.get_world_size(), local_rank, device)
+    if not _WORLD.is_main:
+        quiet_rank()
     return _WORLD
+
+
+def quiet_rank() -> None:
+    """One console: metrics lines, notes, summaries and progress bars come from rank 0. Another rank's CONSOLE keeps
+    errors only, transformers keeps its warnings, and neither it nor datasets draws a progress bar (the scripts' own
+    bars are off there by their `disable=`). Errors reach the user through report_error."""
+    CONSOLE.setLevel(logging.ERROR)
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read at import
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -2235,7 +2033,7 @@ class VLLMEngine:
         if 0 < len(undecodable) <= _VLLM_MAX_LOGIT_BIAS:
             self._logit_bias = {i: float("-inf") for i in undecodable}
         elif len(undecodable) > _VLLM_MAX_LOGIT_BIAS:
-            print(
+            CONSOLE.warning(
                 f"warning: model vocab {vocab_size} exceeds the tokenizer's {self.num_decodable} by more than "
                 f"{_VLLM_MAX_LOGIT_BIAS} ids: they cannot be masked per request; any sampled one is kept as a "
                 "token and left out of the text"
@@ -2346,8 +2144,8 @@ class VLLMEngine:
             base = self.request_seed_base(seed)
             params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        # a bar on rank 0 only: init_world disables the other ranks' tqdm bars, and vLLM divides by a disabled
-        # bar's elapsed time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+        # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
+        # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
         if len(outputs) != P:
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
@@ -2461,23 +2259,6 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
 
 
-def engine_logp_diff(rollout: RolloutBatch, old_logp: torch.Tensor, ready: torch.Tensor) -> tuple[float, float] | None:
-    """Mean and max |engine log-prob - trainer log-prob| over completion tokens of rows whose trainer
-    old log-probs were computed (logged as perf/engine_logp_diff)."""
-    w = world()
-    if not rollout.has_engine_logps or not bool(w.max(float(ready.any()))):
-        return None
-    diffs = []
-    for r in ready.nonzero().flatten().tolist():  # several processes: ready rows are this rank's own
-        eng = torch.tensor(rollout.engine_logp(r), dtype=torch.float32)
-        diffs.append((eng - old_logp[r, : len(eng)]).abs())
-    flat = torch.cat(diffs) if diffs else torch.zeros(0)
-    if w.enabled:  # token mean and max over every rank's rows
-        total, count = w.sum(flat.sum().item()), w.sum(float(flat.numel()))
-        return (total / count, w.max(flat.max().item() if flat.numel() else 0.0)) if count else None
-    return (flat.mean().item(), flat.max().item()) if flat.numel() else None
-
-
 # ----- evaluation
 
 TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a string "tier" value usable in a metric key
@@ -2486,6 +2267,15 @@ TIER_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # a string "tier" value usable in a 
 def is_tier_key(key: str) -> bool:
     """eval/tier<t>/... or eval/<set>/tier<t>/...: the per-difficulty-band keys of `evaluate`."""
     return re.search(r"/tier[^/]+/[^/]+$", key) is not None
+
+
+def eval_console_line(step: int, total: int, metrics: dict) -> str:
+    """console_line of an evaluation's pass@k keys: per-tier keys left out (metrics.jsonl has them), and in a suite
+    of eval sets the unprefixed eval/pass@k (a repeat of the first set's) too."""
+    keys = [k for k in metrics if "pass@" in k and not is_tier_key(k)]
+    if any(k.startswith("eval/") and k.count("/") == 2 for k in keys):  # eval sets: eval/<set>/pass@k
+        keys = [k for k in keys if not (k.startswith("eval/") and k.count("/") == 1)]
+    return console_line(step, total, metrics, keys)
 
 
 def evaluate(
@@ -2643,7 +2433,7 @@ def write_eval(logger: RunLogger, step: int, per_set: dict[str, tuple[list[dict]
 
 
 def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float) -> None:
-    print(f"\n===== {title} =====")
+    CONSOLE.info(f"\n===== {title} =====")
     keys = [
         k
         for k in (after or before or {})
@@ -2656,12 +2446,52 @@ def print_summary(title: str, before: dict | None, after: dict | None, timers: d
         a = after.get(key) if after else None
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"
         if before is None:  # an evaluation alone: one value per metric
-            print(f"{key:{width}s} {fmt(a)}")
+            CONSOLE.info(f"{key:{width}s} {fmt(a)}")
         else:
-            print(f"{key:{width}s} before {fmt(b)}  after {fmt(a)}")
-    print(
+            CONSOLE.info(f"{key:{width}s} before {fmt(b)}  after {fmt(a)}")
+    CONSOLE.info(
         f"wall time {wall:.1f}s: " + ", ".join(f"{k} {v:.1f}s ({100 * v / max(wall, 1e-9):.0f}%)" for k, v in timers.items())
     )
+
+
+def open_run_logger(
+    run_dir: str, args, resume_from_step: int | None = None, track: bool = False, project: str = "rlvr-reference"
+) -> RunLogger:
+    """The run's RunLogger: the run folder made, args.json written, TensorBoard when installed, W&B when --track; a
+    resumed run first drops the rows written after its checkpoint (the resumed run re-creates them exactly once).
+    Several processes: rank 0 writes every file, the other ranks get a logger that writes nothing. The evaluation
+    files and the rollout dump: write_eval, write_rollouts."""
+    if not world().is_main:
+        return RunLogger(run_dir, enabled=False)
+    os.makedirs(run_dir, exist_ok=True)
+    if resume_from_step is not None:
+        for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
+            _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
+    with open(os.path.join(run_dir, "args.json"), "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2)
+    logger = RunLogger(run_dir)
+    if importlib.util.find_spec("tensorboard") is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tensorboard = SummaryWriter(os.path.join(run_dir, "tb"))
+
+        def write_scalars(row: dict, x: int) -> None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "update"):
+                    tensorboard.add_scalar(k, v, x)
+
+        logger.writers.append(write_scalars)
+        logger.closers.append(tensorboard.close)
+    if track:
+        try:
+            import wandb
+        except ImportError:
+            raise UserError("--track needs wandb: pip install wandb") from None
+        name = os.path.basename(run_dir)
+        run = wandb.init(project=project, name=name, config=dataclasses.asdict(args), resume="allow", id=name)
+        logger.writers.append(lambda row, x: run.log(row, step=x))
+        logger.closers.append(run.finish)
+    return logger
 
 
 def _truncate_jsonl_after_step(path: str, step: int) -> None:
@@ -2682,10 +2512,9 @@ def _truncate_jsonl_after_step(path: str, step: int) -> None:
             if isinstance(row, dict) and row.get("step", 0) <= step:
                 keep.append(raw.rstrip(b"\r\n") + b"\n")
     if torn:
-        print(
+        CONSOLE.warning(
             f"warning: {path}: dropped {len(torn)} unparsable line(s) (line {torn[0]}; a write cut off when the "
-            "run was killed)",
-            file=sys.stderr,
+            "run was killed)"
         )
     tmp = os.path.join(os.path.dirname(path), f".tmp_{os.path.basename(path)}_{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -2752,7 +2581,7 @@ def _remove_stale_tmp(folder: str) -> None:
         path = os.path.join(folder, name)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
     if stale:
-        print(f"removed {len(stale)} half-written file(s) left in {folder} by an interrupted run: {', '.join(stale)}")
+        CONSOLE.info(f"removed {len(stale)} half-written file(s) left in {folder} by an interrupted run: {', '.join(stale)}")
 
 
 def save_hf_folder(model, tokenizer, path: str) -> None:
@@ -2969,9 +2798,8 @@ def find_resume(resume: str, total_steps: int | None = None) -> Resume:
         if found is None:
             raise UserError(f"--resume {resume}: no complete checkpoint: {'; '.join(broken)}")
         if broken:
-            print(
-                f"warning: skipped broken checkpoint(s) {'; '.join(broken)}; resuming from {os.path.basename(found[0])}",
-                file=sys.stderr,
+            CONSOLE.warning(
+                f"warning: skipped broken checkpoint(s) {'; '.join(broken)}; resuming from {os.path.basename(found[0])}"
             )
         _, model_dir, state = found
     if total_steps is not None and state["step"] >= total_steps:
@@ -3054,6 +2882,98 @@ def write_rollouts(
             f.write(line + "\n")
 
 
+# ----- references for the tests and benchmarks
+
+
+class ReferenceHFEngine(HFEngine):
+    """HFEngine with transformers' `generate` as its sampler: the reference its sampling loop is tested against (a
+    seed draws the same tokens)."""
+
+    def _sample(
+        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """HFEngine._sample through transformers' `generate`: every row prefilled and stepped to the chunk's longest."""
+        from transformers import GenerationConfig
+
+        model, synced = self.model, world().enabled
+        # generate() fills every field left None in its config from model.generation_config (a Qwen-Instruct
+        # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
+        model_generation_config, model.generation_config = model.generation_config, GenerationConfig()
+        try:
+            gen = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                generation_config=self.sampling_config(max_new_tokens, temperature),
+                synced_gpus=synced,
+            )
+        finally:
+            model.generation_config = model_generation_config
+        new_tokens = gen.sequences[:, input_ids.shape[1] :]
+        if not self.return_logps:
+            return new_tokens, None
+        # scores: t tensors (rows, V) after the temperature warper -> log-softmax of the sampled id
+        scores = torch.stack(gen.scores, dim=1).float()  # (R, t, V)
+        return new_tokens, torch.log_softmax(scores, dim=-1).gather(2, new_tokens[..., None]).squeeze(2)
+
+    def sampling_config(self, max_new_tokens: int, temperature: float):
+        """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
+        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_scores=self.return_logps,
+        )
+
+
+def full_length_rows() -> Callable[[], None]:
+    """Benchmarks: no HFEngine row ends before max_new_tokens (an EOS is sampled and kept like any other token), so
+    that a length of T means T generated tokens per row. Returns the function that undoes it."""
+    init = HFEngine.__init__
+
+    def init_without_eos(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.eos_ids = set()
+
+    HFEngine.__init__ = init_without_eos
+    return lambda: setattr(HFEngine, "__init__", init)
+
+
+def rollout_from_rows(prompt_ids, completion_ids, texts=(), finish_reasons=(), engine_logps=None) -> RolloutBatch:
+    """A RolloutBatch of lists of rows (tests, benchmarks); `texts` and `finish_reasons` are kept as given."""
+    if len(prompt_ids) != len(completion_ids) or (engine_logps is not None and len(engine_logps) != len(prompt_ids)):
+        raise ValueError(
+            f"RolloutBatch: {len(prompt_ids)} prompts, {len(completion_ids)} completions, "
+            f"{'no' if engine_logps is None else len(engine_logps)} log-prob rows"
+        )
+    batch = RolloutBatch(with_engine_logps=engine_logps is not None)
+    for r in range(len(prompt_ids)):
+        batch.append_row(prompt_ids[r], completion_ids[r], "", "", None if engine_logps is None else engine_logps[r])
+    batch.texts, batch.finish_reasons = list(texts), list(finish_reasons)
+    return batch
+
+
+def rollout_nbytes(batch: RolloutBatch) -> int:
+    """Bytes of a RolloutBatch's packed token and log-prob buffers (texts and finish reasons not included)."""
+    bufs = [
+        batch._prompt_values,
+        batch._prompt_offsets,
+        batch._prompt_index,
+        batch._completion_values,
+        batch._completion_offsets,
+        batch._logp_values if batch._logp_values is not None else array.array("f"),
+    ]
+    return sum(b.itemsize * len(b) for b in bufs)
+
+
 # ----- the embedded default model, hub errors
 
 
@@ -3074,7 +2994,7 @@ def embedded_model_dir() -> str:
             raise UserError(f"converting the embedded model needs '{mod}': pip install {mod}")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting the embedded model {ggufs[0]} to {target} (once)", flush=True)
+    CONSOLE.info(f"converting the embedded model {ggufs[0]} to {target} (once)")
     # loading and the random init of from_config draw from torch's RNG: a first run that converts must not move
     # the seeded stream (it would differ from every later run with the same seed)
     with torch.random.fork_rng(devices=[]):

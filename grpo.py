@@ -156,7 +156,7 @@ def main(args: Args) -> None:
         return_logps=args.rollout_is != "none",  # a correction needs the engine's log-probs
         dtype=args.dtype,
     )
-    loss_scale = common.LossScale(args.dtype, device)  # fp16: dynamic loss scaling; bf16 and fp32: none
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16: dynamic loss scaling; else none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -167,9 +167,10 @@ def main(args: Args) -> None:
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
-        loss_scale.load_state_dict(state.get("loss_scale"))
-        print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
-    logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
+        if state.get("grad_scaler"):  # fp16: the loss scale
+            scaler.load_state_dict(state["grad_scaler"])
+        common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
+    logger = common.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
@@ -187,7 +188,7 @@ def main(args: Args) -> None:
             )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
         common.write_eval(logger, step, per_set)
-        tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
+        common.CONSOLE.info(common.eval_console_line(step, args.total_steps, metrics))
         return metrics
 
     if args.eval_only:
@@ -204,7 +205,7 @@ def main(args: Args) -> None:
     if start_step == 0:
         eval_before = run_eval(0)
     eval_after = eval_before
-    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step")
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=not world.is_main)
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
@@ -233,6 +234,7 @@ def main(args: Args) -> None:
             rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
         # ALGO LOGIC: advantages
         advantages = compute_advantages(rewards, G, args.scale_rewards)  # (B,)
+        loss_unit = "token" if args.loss_agg == "token-mean" else "sequence"  # micro-batch shares by tokens or rows
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout)
         mask = common.completion_mask_of(rollout)  # (B, T)
@@ -243,35 +245,38 @@ def main(args: Args) -> None:
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
-                old_logp[later_rows] = common.batch_logps(
+                old_logp[later_rows] = common.no_grad_logps(
                     model, rollout, later_rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
                 old_ready[later_rows] = True
             ref_logp = None
             if ref_model is not None:  # (B, T), this rank's rows filled
                 ref_logp = torch.zeros_like(mask)
-                ref_logp[rollout.rows] = common.batch_logps(
+                ref_logp[rollout.rows] = common.no_grad_logps(
                     ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
             # the engine's log-probs against the trainer's, row by row in the update loop: the rollout correction
             # (--rollout-is), the mismatch/ metrics and the stale-engine check
-            mismatch = common.Mismatch(rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff)
-        # ALGO LOGIC: update (mini-batches x micro-batches, compute_policy_loss)
+            correction = common.RolloutCorrection(
+                rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff
+            )
+        # TRY NOT TO MODIFY: update (mini-batches x micro-batches; a method changes only lines tagged ALGO LOGIC)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
-            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd"):
+            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd", disable=not world.is_main):
                 mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout, rollout.own(mb_rows), args.micro_batch_tokens, model):
-                    tb = common.rows_batch(rollout, micro, pad_id)  # padded rows or packed groups
-                    logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
+                    token_batch = common.token_batch_of(rollout, micro, pad_id)  # padded rows or packed groups
+                    logp, entropy = common.completion_logps(model, token_batch, args.temperature, args.logp_chunk_tokens)
                     T_m = logp.shape[1]
-                    micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
+                    micro_mask = token_batch.completion_mask.to(logp.device)  # (b, T_m)
                     ready = old_ready[micro].unsqueeze(1).to(logp.device)
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
-                    is_weights = mismatch.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
+                    is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
+                    # ALGO LOGIC: the method's loss of the micro-batch
                     loss, stats = compute_policy_loss(
                         logp,
                         old,
@@ -285,25 +290,27 @@ def main(args: Args) -> None:
                         is_weights=is_weights,
                         max_tokens=args.max_new_tokens,
                     )
-                    weight = common.accumulation_weight(args.loss_agg, micro_mask, mb_tokens, len(micro), len(mb_rows))
-                    loss_scale.scale(loss * weight).backward()
+                    # TRY NOT TO MODIFY: the micro-batch's share of the mini-batch's loss and statistics
+                    weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    scaler.scale(loss * weight).backward()  # fp16: the loss scaled; bf16 / fp32: unchanged
                     n_tok = micro_mask.sum().item()
                     sums["policy_loss"] += loss.item() * weight
                     for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
                         sums[k] += stats[k] * n_tok / mb_tokens
                     sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
-                mismatch.check_once(step)  # the step's first mini-batch: is the engine sampling from these weights?
+                # TRY NOT TO MODIFY: the optimizer update
+                correction.check_engine(step)  # the step's first mini-batch: is the engine sampling from these weights?
                 sums = world.sum(sums)  # torchrun: add the ranks' shares (each already over global denominators)
-                grad_norm = loss_scale.step(model, optimizer, args.max_grad_norm, step, update + 1)  # clip, step
+                scaler.unscale_(optimizer)  # fp16: the true gradients, before they are clipped
+                grad_norm = common.clip_grad_norm(model, args.max_grad_norm, scaler, step, update + 1)  # non-finite: stop
+                scaler.step(optimizer)
+                scaler.update()
                 scheduler.step()
                 update += 1
                 update_metrics.append(
                     {f"losses/{k}": v for k, v in sums.items()}
-                    | {
-                        **loss_scale.metrics(grad_norm),
-                        "charts/learning_rate": scheduler.get_last_lr()[0],
-                        "update": update,
-                    }
+                    | common.grad_metrics(grad_norm, scaler)
+                    | {"charts/learning_rate": scheduler.get_last_lr()[0], "update": update}
                 )
         # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
@@ -323,13 +330,10 @@ def main(args: Args) -> None:
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
-        rollout_metrics |= mismatch.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
-        engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
-        if engine_diff is not None:
-            rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
+        rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
-        tqdm.write(
+        common.CONSOLE.info(
             common.console_line(
                 step,
                 args.total_steps,
@@ -364,7 +368,7 @@ def main(args: Args) -> None:
                     "update": update,
                     "wall_s": time.time() - t_start,
                     "eval_before": eval_before,
-                    "loss_scale": loss_scale.state_dict(),
+                    "grad_scaler": scaler.state_dict(),
                     "timers": dict(timers.total),
                 },
                 keep_last=args.keep_last,
@@ -379,7 +383,7 @@ def main(args: Args) -> None:
         timers.total,
         wall,
     )
-    print(f"final model: {final_dir}")
+    common.CONSOLE.info(f"final model: {final_dir}")
     logger.close()
 
 

@@ -160,9 +160,6 @@ def compute_policy_loss(
 
 
 # ALGO LOGIC: negative-advantage veto
-VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")  # the choices of --veto-scope (Args)
-
-
 def veto_triggers(
     logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, log_delta: float
 ) -> torch.Tensor:
@@ -202,8 +199,24 @@ def veto_mask(
         else:
             veto = trig.any(dim=1, keepdim=True).expand_as(trig)  # whole response once it has any trigger
     else:
-        raise ValueError(f"veto scope must be one of {VETO_SCOPES}, not {scope!r}")
+        raise ValueError(f"unknown veto scope {scope!r} (the choices of --veto-scope in Args)")
     return (real & ~veto).to(logp.dtype)
+
+
+VETO_DIAGNOSTICS = ("neg_ratio_sum", "neg_tokens", "vetoed_tokens", "neg_resp", "triggered_resp", "mismatch_triggers")
+
+
+def veto_metrics(diag: dict, mb_tokens: float, staleness: int, with_mismatch: bool) -> dict:
+    """One update's mugrpo/ keys from the mini-batch's sums `diag` (VETO_DIAGNOSTICS, over every rank). A ratio with
+    no data (no A<0 token in the mini-batch) is left out of the row, never null."""
+    out = {"mugrpo/staleness": staleness, "mugrpo/vetoed_token_frac": diag["vetoed_tokens"] / max(mb_tokens, 1.0)}
+    if diag["neg_tokens"]:
+        out["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
+        if with_mismatch:  # share of A<0 tokens with log(pi_behav / mu) < log delta: the engine's log-probs exist
+            out["mugrpo/mismatch_trigger_frac"] = diag["mismatch_triggers"] / diag["neg_tokens"]
+    if diag["neg_resp"]:
+        out["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
+    return out
 
 
 def main(args: Args) -> None:
@@ -249,7 +262,7 @@ def main(args: Args) -> None:
         return_logps=args.behav_logp == "engine" or args.rollout_is != "none",  # ALGO LOGIC
         dtype=args.dtype,
     )
-    loss_scale = common.LossScale(args.dtype, device)  # fp16: dynamic loss scaling; bf16 and fp32: none
+    scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16: dynamic loss scaling; else none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
     pad_id = tokenizer.pad_token_id
@@ -260,9 +273,10 @@ def main(args: Args) -> None:
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
-        loss_scale.load_state_dict(state.get("loss_scale"))
-        print(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
-    logger = common.RunLogger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
+        if state.get("grad_scaler"):  # fp16: the loss scale
+            scaler.load_state_dict(state["grad_scaler"])
+        common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
+    logger = common.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
@@ -280,7 +294,7 @@ def main(args: Args) -> None:
             )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
         common.write_eval(logger, step, per_set)
-        tqdm.write(common.console_line(step, args.total_steps, metrics, [k for k in metrics if "pass@" in k]))
+        common.CONSOLE.info(common.eval_console_line(step, args.total_steps, metrics))
         return metrics
 
     if args.eval_only:
@@ -297,7 +311,7 @@ def main(args: Args) -> None:
     if start_step == 0:
         eval_before = run_eval(0)
     eval_after = eval_before
-    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step")
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=not world.is_main)
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
@@ -327,6 +341,7 @@ def main(args: Args) -> None:
         # ALGO LOGIC: advantages
         # A stage's rollouts: P = mu x prompts per update, B = P*G rows, generated in one go under frozen weights.
         advantages = compute_advantages(rewards, G)  # (B,) group-normalised once per stage, stored for its mu updates
+        loss_unit = "token"  # token-mean over the mini-batch's tokens before the veto: micro-batch shares by tokens
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout)
         mask = common.completion_mask_of(rollout)  # (B, T)
@@ -338,69 +353,65 @@ def main(args: Args) -> None:
             old_logp = torch.zeros_like(mask)  # (B, T)
             old_ready = torch.zeros(B, dtype=torch.bool)  # (B,) rows whose old_logp is filled
             if later_rows:
-                old_logp[later_rows] = common.batch_logps(
+                old_logp[later_rows] = common.no_grad_logps(
                     model, rollout, later_rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
                 old_ready[later_rows] = True
             ref_logp = None
             if ref_model is not None:  # (B, T), this rank's rows filled
                 ref_logp = torch.zeros_like(mask)
-                ref_logp[rollout.rows] = common.batch_logps(
+                ref_logp[rollout.rows] = common.no_grad_logps(
                     ref_model, rollout, rollout.rows, pad_id, args.temperature, args.micro_batch_tokens, args.logp_chunk_tokens
                 )
             # the engine's log-probs against the trainer's, row by row in the update loop: the rollout correction
             # (--rollout-is), the mismatch/ metrics and the stale-engine check
-            mismatch = common.Mismatch(rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff)
-        # ALGO LOGIC: update (mu updates = one pass over the stage's group-shuffled mini-batches; veto per update)
-        if args.behav_logp == "engine":  # the engine's sampling log-probs of the stage (temperature-processed)
+            correction = common.RolloutCorrection(
+                rollout, mask, args.rollout_is, args.rollout_is_cap, args.max_engine_logp_diff
+            )
+        # ALGO LOGIC: behaviour log-probs pi_behav of the stage, frozen for its mu updates: old_logp / old_ready below
+        # hold the trainer's pass under the stage-start weights (the first mini-batch: its own first pass), or with
+        # --behav-logp engine the engine's sampling log-probs (temperature-processed) of every row
+        if args.behav_logp == "engine":
             if not rollout.has_engine_logps:
                 raise common.RunError("--behav-logp engine: the rollout engine returned no log-probs")
             # written into old_logp's (B, T) buffer, unused with engine log-probs (no row is ready there): at paper
             # scale a second dense (B, T) fp32 tensor would be another 6.4 GB. Row-major boolean indexing of the
             # mask visits row r's len(r) real tokens in order, exactly the packed order of the flat log-probs.
             flat = rollout.engine_logps_flat()  # (sum_r len(r),) float32, rows this process holds (torchrun: its own)
-            behav_ready = torch.zeros(B, dtype=torch.bool)
-            behav_ready[rollout.rows] = True  # (B,) all rows at world size 1
-            own_tokens = mask.bool() & behav_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
+            old_ready[rollout.rows] = True  # (B,) all rows at world size 1
+            own_tokens = mask.bool() & old_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
             if flat.numel() != int(own_tokens.sum().item()):
                 raise common.RunError(
                     f"--behav-logp engine: {flat.numel()} engine log-probs for "
                     f"{int(own_tokens.sum().item())} completion tokens"
                 )
-            behav_logp = old_logp  # (B, T), all zeros here
-            behav_logp[own_tokens] = flat.to(behav_logp.dtype)
-        else:  # trainer forward pass under the frozen stage-start weights (first mini-batch: its own first pass)
-            behav_logp, behav_ready = old_logp, old_ready  # (B, T), (B,): stored, never recomputed in the stage
+            old_logp[own_tokens] = flat.to(old_logp.dtype)
+        # TRY NOT TO MODIFY: update (mini-batches x micro-batches; a method changes only lines tagged ALGO LOGIC)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
-            upd_bar = tqdm(minibatches, desc=f"stage {step} update", leave=False, unit="upd")
-            for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates made since the stage's rollouts
-                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator: the mini-batch's tokens before veto
+            bar_desc = f"stage {step} update"  # ALGO LOGIC
+            upd_bar = tqdm(minibatches, desc=bar_desc, leave=False, unit="upd", disable=not world.is_main)  # ALGO LOGIC
+            for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates since the stage's rollouts  # ALGO LOGIC
+                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
-                diag = {
-                    "neg_ratio_sum": 0.0,
-                    "neg_tokens": 0.0,
-                    "vetoed_tokens": 0.0,
-                    "neg_resp": 0,
-                    "triggered_resp": 0,
-                    "mismatch_triggers": 0.0,
-                }
+                diag = dict.fromkeys(VETO_DIAGNOSTICS, 0.0)  # the veto's sums over the mini-batch  # ALGO LOGIC
                 optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout, rollout.own(mb_rows), args.micro_batch_tokens, model):
-                    tb = common.rows_batch(rollout, micro, pad_id)  # padded rows or packed groups
-                    logp, entropy = common.completion_logps(model, tb, args.temperature, args.logp_chunk_tokens)
+                    token_batch = common.token_batch_of(rollout, micro, pad_id)  # padded rows or packed groups
+                    logp, entropy = common.completion_logps(model, token_batch, args.temperature, args.logp_chunk_tokens)
                     T_m = logp.shape[1]
-                    micro_mask = tb.completion_mask.to(logp.device)  # (b, T_m)
-                    ready = behav_ready[micro].unsqueeze(1).to(logp.device)
-                    behav = torch.where(ready, behav_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
-                    adv = advantages[micro].to(logp.device)  # (b,) stored at generation time
+                    micro_mask = token_batch.completion_mask.to(logp.device)  # (b, T_m)
+                    ready = old_ready[micro].unsqueeze(1).to(logp.device)
+                    old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
-                    is_weights = mismatch.weights(micro, behav, micro_mask)  # (b, T_m) rollout correction; None: off
+                    is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
+                    # ALGO LOGIC: the method's loss of the micro-batch (old: the stage's behaviour log-probs)
+                    adv = advantages[micro].to(logp.device)  # (b,) stored at generation time
                     # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
-                    keep = veto_mask(logp.detach(), behav, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
+                    keep = veto_mask(logp.detach(), old, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
                     loss, stats = compute_policy_loss(
                         logp,
-                        behav,
+                        old,
                         adv,
                         micro_mask,
                         eps_low=args.clip_low,
@@ -410,52 +421,43 @@ def main(args: Args) -> None:
                         beta=args.beta,
                         is_weights=is_weights,
                     )
-                    weight = common.accumulation_weight("token-mean", micro_mask, mb_tokens, len(micro), len(mb_rows))
-                    loss_scale.scale(loss * weight).backward()  # sum over micro-batches = sum(l * keep) / mini-batch tokens
+                    # TRY NOT TO MODIFY: the micro-batch's share of the mini-batch's loss and statistics
+                    weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    scaler.scale(loss * weight).backward()  # fp16: the loss scaled; bf16 / fp32: unchanged
                     n_tok = micro_mask.sum().item()
                     sums["policy_loss"] += loss.item() * weight
                     for k in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl"):
                         sums[k] += stats[k] * n_tok / mb_tokens
                     sums["entropy"] += (entropy * micro_mask).sum().item() / mb_tokens
+                    # ALGO LOGIC: the veto's diagnostics of the micro-batch
                     for k in ("neg_ratio_sum", "neg_tokens", "vetoed_tokens"):
                         diag[k] += stats[k]
-                    trig = veto_triggers(logp.detach(), behav, adv, micro_mask, log_delta)  # (b, T_m) bool
+                    trig = veto_triggers(logp.detach(), old, adv, micro_mask, log_delta)  # (b, T_m) bool
                     diag["neg_resp"] += int((adv < 0).sum().item())
                     diag["triggered_resp"] += int(trig.any(dim=1).sum().item())  # triggers exist only in A<0 rows
-                    log_rho = mismatch.log_rho(micro, behav)  # (b, T_m) log(pi_behav / mu) of the engine; None: none
+                    log_rho = correction.log_rho(micro, old)  # (b, T_m) log(pi_behav / mu) of the engine; None: none
                     if log_rho is not None:  # A<0 tokens that the mismatch alone would trigger, with no staleness
                         neg = (adv < 0).unsqueeze(1) & micro_mask.bool()  # (b, T_m)
                         diag["mismatch_triggers"] += ((log_rho < log_delta) & neg).sum().item()
-                mismatch.check_once(step)  # the step's first mini-batch: is the engine sampling from these weights?
-                sums, diag = world.sum(sums), world.sum(diag)  # torchrun: add the ranks' shares
-                grad_norm = loss_scale.step(model, optimizer, args.max_grad_norm, step, update + 1)  # clip, step
+                # TRY NOT TO MODIFY: the optimizer update
+                correction.check_engine(step)  # the step's first mini-batch: is the engine sampling from these weights?
+                sums = world.sum(sums)  # torchrun: add the ranks' shares (each already over global denominators)
+                diag = world.sum(diag)  # ALGO LOGIC
+                scaler.unscale_(optimizer)  # fp16: the true gradients, before they are clipped
+                grad_norm = common.clip_grad_norm(model, args.max_grad_norm, scaler, step, update + 1)  # non-finite: stop
+                scaler.step(optimizer)
+                scaler.update()
                 scheduler.step()
                 update += 1
-                mugrpo_metrics = {  # a ratio with no data (no A<0 token in the mini-batch) is left out of the row, never null
-                    "mugrpo/staleness": staleness,
-                    "mugrpo/vetoed_token_frac": diag["vetoed_tokens"] / max(mb_tokens, 1.0),
-                }
-                if diag["neg_tokens"]:
-                    mugrpo_metrics["mugrpo/neg_ratio_mean"] = diag["neg_ratio_sum"] / diag["neg_tokens"]
-                    if mismatch.available:  # share of A<0 tokens with log(pi_behav / mu) < log delta
-                        mugrpo_metrics["mugrpo/mismatch_trigger_frac"] = diag["mismatch_triggers"] / diag["neg_tokens"]
-                if diag["neg_resp"]:
-                    mugrpo_metrics["mugrpo/triggered_frac"] = diag["triggered_resp"] / diag["neg_resp"]
                 update_metrics.append(
                     {f"losses/{k}": v for k, v in sums.items()}
-                    | mugrpo_metrics
-                    | {
-                        **loss_scale.metrics(grad_norm),
-                        "charts/learning_rate": scheduler.get_last_lr()[0],
-                        "update": update,
-                    }
+                    | common.grad_metrics(grad_norm, scaler)
+                    | {"charts/learning_rate": scheduler.get_last_lr()[0], "update": update}
                 )
-                upd_bar.set_postfix(
-                    loss=f"{sums['policy_loss']:.3g}",
-                    clip=f"{sums['clipfrac']:.2f}",
-                    veto=f"{mugrpo_metrics['mugrpo/vetoed_token_frac']:.2f}",
-                    refresh=False,
-                )
+                # ALGO LOGIC: the veto's metrics of the update, the stage's progress bar
+                update_metrics[-1] |= veto_metrics(diag, mb_tokens, staleness, correction.available)
+                veto_frac = update_metrics[-1]["mugrpo/vetoed_token_frac"]
+                upd_bar.set_postfix(loss=f"{sums['policy_loss']:.3g}", clip=f"{sums['clipfrac']:.2f}", veto=f"{veto_frac:.2f}")
         # TRY NOT TO MODIFY: metrics, eval, checkpoint
         step_time = sum(timers.step.values())
         n_completion_tokens = int(mask.sum().item())
@@ -474,13 +476,10 @@ def main(args: Args) -> None:
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
-        rollout_metrics |= mismatch.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
-        engine_diff = common.engine_logp_diff(rollout, old_logp, old_ready)
-        if engine_diff is not None:
-            rollout_metrics["perf/engine_logp_diff"], rollout_metrics["perf/engine_logp_diff_max"] = engine_diff
+        rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
-        tqdm.write(
+        common.CONSOLE.info(
             common.console_line(
                 step,
                 args.total_steps,
@@ -515,7 +514,7 @@ def main(args: Args) -> None:
                     "update": update,
                     "wall_s": time.time() - t_start,
                     "eval_before": eval_before,
-                    "loss_scale": loss_scale.state_dict(),
+                    "grad_scaler": scaler.state_dict(),
                     "timers": dict(timers.total),
                 },
                 keep_last=args.keep_last,
@@ -530,7 +529,7 @@ def main(args: Args) -> None:
         timers.total,
         wall,
     )
-    print(f"final model: {final_dir}")
+    common.CONSOLE.info(f"final model: {final_dir}")
     logger.close()
 
 

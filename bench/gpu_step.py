@@ -180,7 +180,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     rows = a.train_rows
     prompt_ids = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(rows)]
     completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
-    batch = common.RolloutBatch.from_rows(prompt_ids, completion_ids)  # every row its own prompt: nothing packs
+    batch = common.rollout_from_rows(prompt_ids, completion_ids)  # every row its own prompt: nothing packs
     advantages = torch.randn(rows, generator=gen)
     optimizer, _ = common.make_optimizer(model, 1e-6, 0.0, 1)
     fwd_bwd, opt_s = [], []
@@ -190,7 +190,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
         t0 = time.perf_counter()
         micro = common.micro_batches(batch, list(range(rows)), a.micro_batch_tokens, model)
         for mb in micro:
-            tb = common.rows_batch(batch, mb, tokenizer.pad_token_id)
+            tb = common.token_batch_of(batch, mb, tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0, a.logp_chunk_tokens, with_entropy=False)
             mask = tb.completion_mask.to(logp.device)
             loss, _ = grpo.compute_policy_loss(logp, logp.detach(), advantages[mb].to(logp.device), mask)

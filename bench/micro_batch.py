@@ -48,7 +48,7 @@ def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages)
         tb = common.pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
         logp, _ = common.completion_logps(model, tb, 1.0, chunk)
         loss, _ = grpo.compute_policy_loss(logp, logp.detach(), advantages[micro], tb.completion_mask)
-        (loss * common.accumulation_weight("token-mean", tb.completion_mask, mb_tokens, len(micro), B)).backward()
+        (loss * common.accumulation_weight("token", tb.completion_mask, mb_tokens, len(micro), B)).backward()
     seconds = time.perf_counter() - t0
     others.__exit__(None, None, None)
     return {
@@ -85,7 +85,7 @@ def main():
     B = len(rollout)
     advantages = torch.randn(B)
     pad_id = tokenizer.pad_token_id
-    small = common.RolloutBatch.from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
+    small = common.rollout_from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
     train_pass(model, small, 4096, pad_id, o.chunk_tokens, advantages)  # warm-up
     print(
         f"{B} rows, mean completion {int(rollout.completion_lengths.sum()) / B:.1f} tokens, threads {torch.get_num_threads()}"

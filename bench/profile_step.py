@@ -138,7 +138,7 @@ def main():
     p.add_argument("--G", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--force-length", action="store_true", help="min_new_tokens = max_new_tokens")
+    p.add_argument("--force-length", action="store_true", help="every row runs --max-new-tokens (no row ends at EOS)")
     p.add_argument("--top", type=int, default=18, help="operators to list")
     p.add_argument("--seed", type=int, default=1)
     o = p.parse_args()
@@ -149,8 +149,8 @@ def main():
     tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
     model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
     print(f"attention implementation: {model.config._attn_implementation}")
-    if o.force_length:
-        model.generation_config.min_new_tokens = o.max_new_tokens
+    if o.force_length:  # the engine ignores the model's generation_config: its rows simply never end
+        common.full_length_rows()
     optimizer, scheduler = common.make_optimizer(model, 1e-5, 0.0, 2)
     engine = common.make_engine(
         "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
@@ -168,11 +168,11 @@ def main():
     print(f"\n## generation: {B} rows, {n_tok / B:.1f} completion tokens/row, {gen_s:.2f} s ({n_tok / gen_s:.1f} tokens/s)")
 
     pad_id = tokenizer.pad_token_id
-    tb = common.rows_batch(rollout, range(len(rollout)), pad_id)
+    tb = common.token_batch_of(rollout, range(len(rollout)), pad_id)
     print(
         f"train batch: {tuple(tb.input_ids.shape)} (rows x padded length), {int(tb.completion_mask.sum())} completion tokens"
     )
-    fwd_bwd(common.completion_logps, model, common.rows_batch(rollout, range(2), pad_id), o.chunk_tokens)  # warm-up
+    fwd_bwd(common.completion_logps, model, common.token_batch_of(rollout, range(2), pad_id), o.chunk_tokens)  # warm-up
 
     from torch.profiler import ProfilerActivity, profile
 

@@ -104,7 +104,7 @@ def main() -> None:
     t0 = time.perf_counter()
     lengths_new = [len(new_out.prompt(r)) + len(new_out.completion(r)) for r in range(a.rows)]
     new_access = time.perf_counter() - t0
-    assert lengths_new == lengths_old and new_out.nbytes() <= new_bytes + 4096
+    assert lengths_new == lengths_old and common.rollout_nbytes(new_out) <= new_bytes + 4096
 
     B, T, scale = a.rows, a.max_len, a.scale_rows / a.rows
     gb = 1e9
@@ -130,7 +130,7 @@ def main() -> None:
     dense = a.scale_rows * T * 4
     print(
         f"dense fp32 (B, T) tensor of the shared blocks at {a.scale_rows} x {T}: {dense / gb:.2f} GB each "
-        f"(mask, old_logp, batch_logps' result while it is copied in, ref_logp with --beta > 0)"
+        f"(mask, old_logp, no_grad_logps' result while it is copied in, ref_logp with --beta > 0)"
     )
 
 

@@ -5,7 +5,7 @@ All cells run in one process after a small warm-up call, one `grpo.main` call pe
 fresh optimizer, one update per rollout batch); the timed step is the cell's step(s) from its metrics
 rows (perf/rollout_s + perf/train_s + reward + sync; the tiny evaluation before/after is not in them).
 With --steps 2 the first step of each cell is dropped as a warm-up. Completions are forced to the full
-length (min_new_tokens = max_new_tokens, bench-only) unless --natural, so that "length 128" means 128
+length (common.full_length_rows: no row ends at EOS, bench-only) unless --natural, so that "length 128" means 128
 generated tokens per row; the actual mean completion length and the truncated fraction are printed
 anyway. Peak resident memory per cell: VmHWM, reset before each cell through /proc/self/clear_refs.
 
@@ -83,7 +83,7 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
     import common
     import grpo
 
-    common.HFEngine.min_new_tokens = T if force else 0  # bench-only: EOS not sampled before T tokens
+    restore = common.full_length_rows() if force else None  # bench-only: every row runs T tokens
     out_dir = tempfile.mkdtemp(prefix="bench_scaling_")
     args = grpo.Args(
         model=common.EMBEDDED_MODEL,
@@ -114,7 +114,8 @@ def run_cell(G: int, T: int, o, force: bool) -> dict:
         with OthersLoad() as others:
             grpo.main(args)
     finally:
-        common.HFEngine.min_new_tokens = 0
+        if restore:
+            restore()
     peak = peak_rss_gb()
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "run", "metrics.jsonl")) if line.strip()]
     rows = [r for r in rows if "perf/rollout_s" in r]
@@ -152,7 +153,7 @@ def main():
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--steps", type=int, default=1, help="steps per cell; with 2+ the first is dropped")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--natural", action="store_true", help="let completions stop at EOS (no min_new_tokens)")
+    p.add_argument("--natural", action="store_true", help="let completions stop at EOS (no full_length_rows)")
     p.add_argument(
         "--wait-quiet",
         type=float,

@@ -4,7 +4,7 @@ Training pass: the forward + backward of grpo.py's update (micro_batches at --mi
 grpo.compute_policy_loss, backward per micro-batch) over P groups of G rows, packed groups (micro_batches with the
 model: the cost rule decides per group) against padded rows (micro_batches without the model: today's layout).
 Generation: HFEngine.generate of P prompts x G, the engine's sampling loop (each prompt prefilled once, ended rows
-out of the batch) against transformers' generate on every row (HFEngine.use_generate: every row prefilled and
+out of the batch) against transformers' generate on every row (common.ReferenceHFEngine: every row prefilled and
 stepped until the chunk's longest row ends), same seed. Embedded SmolLM2-135M, the arith task's real prompts (~51
 tokens); completions of T random tokens for the training shapes (EOS never sampled: every completion has exactly T
 tokens), real sampled completions for generation (natural EOS, at most T tokens).
@@ -41,7 +41,7 @@ def train_pass(model, rollout, budget: int, packed: bool) -> tuple[float, int, i
     tokens = 0
     t0 = time.perf_counter()
     for micro in micros:
-        tb = common.rows_batch(rollout, micro, model.rlvr_pad_id)
+        tb = common.token_batch_of(rollout, micro, model.rlvr_pad_id)
         tokens += tb.input_ids.numel()
         logp, _ = common.completion_logps(model, tb, 1.0)
         loss, _ = grpo.compute_policy_loss(logp, logp.detach(), adv[micro], tb.completion_mask)
@@ -74,7 +74,7 @@ def main() -> None:
         print("\n| groups x G | T | tokens per row / packed | micro-batches | per-row s | packed s | ratio |")
         print("|---|---|---|---|---|---|---|")
     for P, G, T in shapes:
-        rollout = common.RolloutBatch.from_rows(
+        rollout = common.rollout_from_rows(
             [prompts[g] for g in range(P) for _ in range(G)],
             [torch.randint(3, len(tokenizer) - 1, (T,), generator=gen).tolist() for _ in range(P * G)],
         )
@@ -94,7 +94,8 @@ def main() -> None:
     model.zero_grad(set_to_none=True)
 
     gen_shapes = [] if a.only == "training" else [(8, 8, 32)] if a.quick else GEN_SHAPES
-    engine = common.HFEngine(model, tokenizer, gen_batch_size=64)
+    engines = {False: common.HFEngine(model, tokenizer, gen_batch_size=64)}  # True: transformers' generate
+    engines[True] = common.ReferenceHFEngine(model, tokenizer, gen_batch_size=64)
     if gen_shapes:
         print("\n| prompts x G | max new tokens | mean / longest completion | generate s | loop s | ratio | identical |")
         print("|---|---|---|---|---|---|---|")
@@ -102,10 +103,9 @@ def main() -> None:
         times, outs = {True: [], False: []}, {}
         for _ in range(a.repeats):
             for use_generate in (True, False):  # interleaved: background load hits both alike
-                engine.use_generate = use_generate
                 torch.manual_seed(1)
                 t0 = time.perf_counter()
-                outs[use_generate] = engine.generate(prompts[:P], G, T, 1.0, progress=False)
+                outs[use_generate] = engines[use_generate].generate(prompts[:P], G, T, 1.0, progress=False)
                 times[use_generate].append(time.perf_counter() - t0)
         same = sum(outs[True].completion(r) == outs[False].completion(r) for r in range(P * G))
         lengths = outs[False].completion_lengths.float()

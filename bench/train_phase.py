@@ -52,14 +52,14 @@ def main() -> None:
         with torch.no_grad():
             model.eval()
             for micro in common.micro_batches(rollout, minibatches[1], a.micro_batch_tokens, layout):
-                common.completion_logps(model, common.rows_batch(rollout, micro, pad), 1.0, with_entropy=False)
+                common.completion_logps(model, common.token_batch_of(rollout, micro, pad), 1.0, with_entropy=False)
             model.train()
         old_s, train_s, step_s, tokens = time.perf_counter() - t0, 0.0, 0.0, 0
         for rows in minibatches:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             for micro in common.micro_batches(rollout, rows, a.micro_batch_tokens, layout):
-                batch = common.rows_batch(rollout, micro, pad)
+                batch = common.token_batch_of(rollout, micro, pad)
                 tokens += batch.input_ids.numel()
                 logp, _ = common.completion_logps(model, batch, 1.0)
                 advantages = torch.linspace(-1.0, 1.0, len(micro))

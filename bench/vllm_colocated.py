@@ -81,7 +81,7 @@ def child(mode: str) -> dict:
     prompts = [common.format_prompt(tok, p["question"], task.instruction) for p in task.problems[:4]]
     result = {"mode": mode, "before_engine": thread_state(), "train_s_before": [], "train_s_after": [], "gen": []}
     model = None
-    rollout = common.RolloutBatch.from_rows(
+    rollout = common.rollout_from_rows(
         [prompts[g] for g in range(4) for _ in range(8)], [list(range(100, 130))] * 32
     )  # 4 groups x 8 rows of 30 tokens
 
@@ -92,7 +92,7 @@ def child(mode: str) -> dict:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         for micro in common.micro_batches(rollout, range(32), 1024, model):
-            batch = common.rows_batch(rollout, micro, tok.pad_token_id)
+            batch = common.token_batch_of(rollout, micro, tok.pad_token_id)
             logp, _ = common.completion_logps(model, batch, 1.0)
             logp.sum().backward()
         model.zero_grad(set_to_none=True)

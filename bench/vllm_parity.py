@@ -60,7 +60,7 @@ def greedy_hf(model, tok, prompts, k):
 
 @torch.no_grad()
 def logp_diff(model, rollout, pad_id, temperature):
-    batch = common.rows_batch(rollout, range(len(rollout)), pad_id)
+    batch = common.token_batch_of(rollout, range(len(rollout)), pad_id)
     trainer, _ = common.completion_logps(model, batch, temperature, with_entropy=False)
     d = torch.cat(
         [

@@ -17,9 +17,10 @@ Evaluation (ours runs one tiny one before/after training) lies outside every tim
     bash bench/setup.sh                                      # bench/.venv = system packages + trl==1.16.0
     flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 2
 
-`--force-length` sets min_new_tokens = max_new_tokens on both sides (EOS suppressed until then), so both
-generate exactly the same number of tokens; without it the model stops at EOS as it likes and the
-mean completion length of each side is printed next to the times.
+`--force-length` makes every row run to max_new_tokens on both sides (TRL: min_new_tokens, EOS suppressed;
+ours: common.full_length_rows, EOS sampled as any token and ending nothing), so both generate the same number of
+tokens; without it the model stops at EOS as it likes and the mean completion length of each side is printed next
+to the times.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def child_ours(o) -> dict:
     import grpo
 
     if o.force_length:
-        common.HFEngine.min_new_tokens = o.max_new_tokens  # bench-only: EOS not sampled before the maximum
+        common.full_length_rows()  # bench-only: no row ends before the maximum (TRL side: min_new_tokens)
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     args = grpo.Args(
         model=common.EMBEDDED_MODEL,
@@ -310,7 +311,7 @@ def main():
     p.add_argument("--G", type=int, default=8, help="generations per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=1, help="repeat r runs both sides with seed + r (its own prompts and draws)")
-    p.add_argument("--force-length", action="store_true", help="min_new_tokens = max_new_tokens on both sides")
+    p.add_argument("--force-length", action="store_true", help="every row runs --max-new-tokens on both sides")
     p.add_argument(
         "--trl-gradient-checkpointing",
         action="store_true",

@@ -14,6 +14,9 @@ under `python -m torch.distributed.run --nproc-per-node 2` (gloo on CPU).
                                               the HF engine under FSDP2 (synced): rank 0's rows all end at their
                                               first token, rank 1's run to the maximum; each rank saves its
                                               completions, log-probs and its next random draw.
+  dist_worker.py fail-each-rank              run_cli with a main that raises a RunError of its own on every rank
+  dist_worker.py slow-stderr <rank> <mode...> any mode above, with every write to stderr on <rank> SLOW_WRITE_S late
+                                              (the race: the other rank exits first, torchrun then stops this one)
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     if world.enabled:
         groups = world.deal_groups([minibatch], G)
         rows = [g * G + j for g in groups for j in range(G)]
-        local = common.RolloutBatch.from_rows(
+        local = common.rollout_from_rows(
             [full.prompt(r) for r in rows], [full.completion(r) for r in rows], ["" for _ in rows], ["stop" for _ in rows]
         )
         rollout = common.ShardedRollout(local, groups, P, G)
@@ -200,12 +203,14 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
         for micro in common.micro_batches(rollout, own, 16, model):  # a small budget: several micro-batches per rank
-            tb = common.rows_batch(rollout, micro, tokenizer.pad_token_id)
+            tb = common.token_batch_of(rollout, micro, tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0)
             micro_mask = tb.completion_mask
             old = (logp - offset[micro, : logp.shape[1]]).detach()
             loss = loss_fn(logp, old, advantages[micro], micro_mask)
-            weight = common.accumulation_weight(agg, micro_mask, mb_tokens, len(micro), len(minibatch))
+            weight = common.accumulation_weight(
+                "token" if agg == "token-mean" else "sequence", micro_mask, mb_tokens, len(micro), len(minibatch)
+            )
             (loss * weight).backward()
             loss_sum += loss.item() * weight
         grad_norm = common.clip_grad_norm(model, 1e9)  # no clipping: the raw global norm
@@ -230,7 +235,8 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     import gc
 
     gc.collect()  # the sharded model goes before its process group (as run_cli does)
-    world.shutdown()
+    if world.enabled:
+        world.shutdown()
 
 
 # ----- synced generation ------------------------------------------------------------------------------------
@@ -238,12 +244,12 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
 
 def generate_setup(rank: int, model, tokenizer) -> tuple[common.HFEngine, list[list[int]]]:
     """Rank r's engine and prompts. Rank 0: every token ends a row (its rows end after one token, then it only
-    steps for the collectives); rank 1: EOS forbidden until the maximum (it runs every step)."""
+    steps for the collectives); rank 1: no token ends a row (it runs every step)."""
     engine = common.HFEngine(model, tokenizer, gen_batch_size=8, return_logps=True)
     if rank == 0:
         engine.eos_ids = set(range(len(tokenizer)))
     else:
-        engine.min_new_tokens = GEN_MAX_NEW
+        engine.eos_ids = set()  # no row ends: every step runs
     questions = [("What is 1 + 2?", "Hi"), ("Say seven now", "Count to 3")][rank]
     return engine, [common.format_prompt(tokenizer, q) for q in questions]
 
@@ -268,12 +274,49 @@ def run_generate(model_path: str, out_path: str) -> None:
     import gc
 
     gc.collect()
-    world.shutdown()
+    if world.enabled:
+        world.shutdown()
+
+
+SLOW_WRITE_S = 1.5
+
+
+class SlowWriter:
+    """A text stream whose every write arrives SLOW_WRITE_S late."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        import time
+
+        time.sleep(SLOW_WRITE_S)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def fail_each_rank() -> None:
+    import grpo
+
+    def failing_main(args) -> None:
+        raise common.RunError(f"rank {os.environ.get('RANK')}'s own failure")
+
+    sys.argv = [sys.argv[0]]
+    common.run_cli(failing_main, grpo.Args)
 
 
 def main() -> None:
     mode = sys.argv[1]
-    if mode == "script":
+    if mode == "slow-stderr":
+        if os.environ.get("RANK", "0") == sys.argv[2]:
+            sys.stderr = SlowWriter(sys.stderr)
+        del sys.argv[1:3]
+        mode = sys.argv[1]
+    if mode == "fail-each-rank":
+        fail_each_rank()
+    elif mode == "script":
         run_script(sys.argv[2], sys.argv[3:])
     elif mode == "update":
         run_update(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")

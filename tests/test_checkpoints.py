@@ -293,7 +293,7 @@ def test_torn_metrics_line_is_dropped_and_the_file_rewritten_atomically(tmp_path
     replaced = []
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real_replace(a, b)))
-    logger = common.RunLogger(str(run), grpo.Args(), resume_from_step=2)
+    logger = common.open_run_logger(str(run), grpo.Args(), resume_from_step=2)
     logger.close()
     assert _rows(run) == [r for r in rows if r["step"] <= 2]
     with open(run / "samples.jsonl") as f:

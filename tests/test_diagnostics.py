@@ -29,7 +29,7 @@ class ScriptedEngine:
 
     def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc=""):
         assert len(prompts) * n == len(self.texts)
-        return common.RolloutBatch.from_rows(
+        return common.rollout_from_rows(
             [p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, ["stop"] * len(self.texts)
         )
 
@@ -81,7 +81,7 @@ def test_tier_keys_follow_the_per_set_prefix():
 
 def test_console_and_summary_skip_tier_keys(capsys):
     m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
-    line = common.console_line(0, 3, m, [k for k in m if "pass@" in k])
+    line = common.eval_console_line(0, 3, m)
     assert "pass@1 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
     common.print_summary("t", m, m, {}, 1.0)
     out = capsys.readouterr().out

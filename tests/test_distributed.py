@@ -37,6 +37,32 @@ def env(**extra) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RLVR_DIST_TIMEOUT_S="60", **extra)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def launch_two_nodes(args: list[str], cwd, **extra_env) -> list[subprocess.CompletedProcess]:
+    """Two torchrun launches on this machine, one per node (--nnodes 2 --node-rank 0 / 1), one gloo process each,
+    meeting through c10d rendezvous on a free localhost port: two machines of one process each."""
+    port, procs = free_port(), []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1"]
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=rlvr-two-nodes", WORKER, *args]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env(**extra_env))
+        )
+    try:
+        outs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
 def launch(args: list[str], nproc: int, cwd, **extra_env) -> subprocess.CompletedProcess:
     """`python WORKER args` (nproc 1: one plain process, world size 1) or torchrun with nproc gloo ranks."""
     if nproc == 1:
@@ -52,6 +78,15 @@ def toy(tmp_path_factory):
     model = tiny.make_tiny_model(str(d / "model"))
     rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
     return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows), "dir": d}
+
+
+@pytest.fixture(scope="module")
+def grpo_one_process(toy, tmp_path_factory):
+    """grpo.py in one process on split-independent rollouts (ScriptedEngine), 2 steps, a checkpoint each."""
+    out = tmp_path_factory.mktemp("grpo_w1")
+    proc = launch(["script", "grpo", *script_flags(toy, out, "run", "grpo")], 1, out, RLVR_TEST_ENGINE="scripted")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "run"
 
 
 # ----- one update, every loss -------------------------------------------------------------------------------
@@ -293,7 +328,7 @@ def test_synced_generation_rank_done_early_steps_without_drawing(toy, tmp_path):
         assert torch.equal(got["next_draw"], torch.rand(3)), rank  # the synced steps drew nothing
 
 
-def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
+def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path, grpo_one_process):
     """With split-independent rollouts, a run resumed from a 2-rank checkpoint with 1 process and with 2
     processes, and a one-process checkpoint resumed with 2, end with the weights of the uninterrupted run."""
     base = ["script", "grpo", *script_flags(toy, tmp_path, "full", "grpo")]
@@ -313,10 +348,7 @@ def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
         assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL, nproc
         assert_rows_close(comparable(read_rows(tmp_path / "full")), comparable(read_rows(tmp_path / name)))
     # and a one-process checkpoint (its optimizer state one shard) resumed by 2 ranks
-    proc = launch(
-        ["script", "grpo", *script_flags(toy, tmp_path, "full_w1", "grpo")], 1, tmp_path, RLVR_TEST_ENGINE="scripted"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(grpo_one_process, tmp_path / "full_w1")
     shutil.copytree(tmp_path / "full_w1", tmp_path / "w1_resumed_w2")
     shutil.rmtree(tmp_path / "w1_resumed_w2" / "checkpoints" / "step_000002")
     shutil.rmtree(tmp_path / "w1_resumed_w2" / "final")
@@ -329,6 +361,36 @@ def test_checkpoints_resume_exactly_across_world_sizes(toy, tmp_path):
     assert max((w_full[k] - w_res[k]).abs().max().item() for k in w_full) < WEIGHT_TOL
 
 
+def test_two_nodes_equal_one_process_and_resume_across_the_change(toy, tmp_path, grpo_one_process):
+    """--nnodes 2 --node-rank 0/1 with c10d rendezvous on localhost, one gloo process per node: the run equals the
+    one-process run (every metric, the final weights); its step-1 checkpoint resumed by one process, and the
+    one-process run's step-1 checkpoint resumed on two nodes, end as the uninterrupted run did."""
+
+    def truncated_copy(run, name):  # the run as a kill after step 1's checkpoint leaves it
+        shutil.copytree(run, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "step_000002")
+        shutil.rmtree(tmp_path / name / "final")
+        return ["script", "grpo", *script_flags(toy, tmp_path, name, "grpo"), "--resume", str(tmp_path / name)]
+
+    def assert_same_run(name):
+        assert_rows_close(comparable(read_rows(grpo_one_process)), comparable(read_rows(tmp_path / name)))
+        w1, w2 = final_weights(grpo_one_process), final_weights(tmp_path / name)
+        assert w1.keys() == w2.keys() and max((w1[k] - w2[k]).abs().max().item() for k in w1) < WEIGHT_TOL, name
+
+    nodes = launch_two_nodes(
+        ["script", "grpo", *script_flags(toy, tmp_path, "nodes", "grpo")], tmp_path, RLVR_TEST_ENGINE="scripted"
+    )
+    assert [p.returncode for p in nodes] == [0, 0], nodes[0].stderr[-2000:] + nodes[1].stderr[-2000:]
+    assert sum(p.stdout.count("final model:") for p in nodes) == 1  # one console: the global rank 0's
+    assert_same_run("nodes")
+    proc = launch(truncated_copy(tmp_path / "nodes", "nodes_resumed_w1"), 1, tmp_path, RLVR_TEST_ENGINE="scripted")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run("nodes_resumed_w1")
+    resumed = launch_two_nodes(truncated_copy(grpo_one_process, "w1_resumed_nodes"), tmp_path, RLVR_TEST_ENGINE="scripted")
+    assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr[-2000:] + resumed[1].stderr[-2000:]
+    assert_same_run("w1_resumed_nodes")
+
+
 def test_error_on_one_rank_stops_both_with_one_line(toy, tmp_path):
     """A custom reward that raises on rank 1 only: both ranks stop (no hang: the subprocess timeout and the
     60 s process-group timeout would fail this test), the error line is printed once."""
@@ -339,6 +401,30 @@ def test_error_on_one_rank_stops_both_with_one_line(toy, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert "reward sandbox could not start on this rank" in lines[0] and "(rank 1)" in lines[0]
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_a_shared_error_reaches_the_user_once_whichever_rank_exits_first(toy, tmp_path, slow_rank):
+    """The race of a bad flag under torchrun: every rank raises the same one-line error, one rank's stderr is slow
+    (each write 1.5 s late), the other rank is done first and torchrun then stops the slow one. Twice each: the
+    line is printed exactly once, whichever rank prints it."""
+    flags = script_flags(toy, tmp_path, "race", "grpo")
+    flags[flags.index("--prompts-per-step") + 1] = "6"  # 2 mini-batches of 3 groups: not dealt evenly to 2 ranks
+    for attempt in range(2):
+        proc = launch(["slow-stderr", str(slow_rank), "script", "grpo", *flags], 2, tmp_path)
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "multiple of 2" in lines[0], (attempt, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("slow_rank", [0, 1])
+def test_each_failing_ranks_own_error_reaches_the_user_once(tmp_path, slow_rank):
+    """Both ranks fail, each with its own error: both lines reach the user once each, with their rank, though the
+    rank whose stderr is slow would otherwise be stopped by torchrun before it wrote its line."""
+    proc = launch(["slow-stderr", str(slow_rank), "fail-each-rank"], 2, tmp_path)
+    assert proc.returncode != 0
+    lines = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert lines == ["error: rank 0's own failure (rank 0)", "error: rank 1's own failure (rank 1)"], proc.stderr[-2000:]
 
 
 def test_uneven_batch_fails_before_loading(toy, tmp_path):

@@ -292,7 +292,7 @@ def test_rollouts_dump_off_by_default_and_cut_on_resume(toy, tmp_path):
     tiny.write_jsonl(str(run / "rollouts.jsonl"), [{"step": s, "reward": 0.0} for s in (1, 1, 2, 3, 3)])
     with open(run / "rollouts.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # the kill that stopped the run cut a row short
-    common.RunLogger(str(run), args, resume_from_step=2).close()  # rows after the checkpoint are re-created later
+    common.open_run_logger(str(run), args, resume_from_step=2).close()  # rows after the checkpoint are re-created later
     assert [r["step"] for r in read_jsonl(run / "rollouts.jsonl")] == [1, 1, 2]
 
 

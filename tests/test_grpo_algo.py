@@ -96,7 +96,12 @@ def test_accumulation_weight_reproduces_full_minibatch_gradient():
         acc = base.clone().requires_grad_(True)
         for rows in ([0, 2], [1, 3]):
             part, _ = grpo.compute_policy_loss(acc[rows], old[rows], adv[rows], mask[rows], loss_agg=agg, max_tokens=5)
-            (part * common.accumulation_weight(agg, mask[rows], mask.sum().item(), 2, 4)).backward()
+            (
+                part
+                * common.accumulation_weight(
+                    "token" if agg == "token-mean" else "sequence", mask[rows], mask.sum().item(), 2, 4
+                )
+            ).backward()
         assert torch.allclose(full.grad, acc.grad, atol=1e-6), agg
 
 
@@ -163,17 +168,17 @@ def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
         else:
             assert reason == "length" and len(ids) == 5 and eos not in ids
     # with left-padded prompts and right-padded completions, trainer log-probs equal the sampler's
-    trainer = common.batch_logps(model, ro, range(12), tok.pad_token_id, 1.0, token_budget=64)
+    trainer = common.no_grad_logps(model, ro, range(12), tok.pad_token_id, 1.0, token_budget=64)
     for r in range(12):
         n = len(ro.completion(r))
         assert torch.allclose(trainer[r, :n], torch.tensor(ro.engine_logp(r)), atol=1e-4)
         assert (trainer[r, n:] == 0).all()
-    assert model.training  # generate and batch_logps restore the mode they found
+    assert model.training  # generate and no_grad_logps restore the mode they found
 
 
 def test_micro_batches_respect_budget_and_cover_rows():
     lengths = [10, 3, 7, 7, 2, 9]  # prompt + completion tokens of 6 rows with distinct prompts
-    ro = common.RolloutBatch.from_rows([[r + 3] for r in range(6)], [[5] * (n - 1) for n in lengths])
+    ro = common.rollout_from_rows([[r + 3] for r in range(6)], [[5] * (n - 1) for n in lengths])
     mbs = common.micro_batches(ro, range(6), token_budget=16)
     assert sorted(r for mb in mbs for r in mb) == list(range(6))
     for mb in mbs:
@@ -208,15 +213,15 @@ def test_arith_train_and_eval_disjoint_and_tiers_mixed():
 
 def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
     tok, model = tiny
-    ro = common.RolloutBatch.from_rows(
+    ro = common.rollout_from_rows(
         prompt_ids=[[2, 10], [2, 11], [2, 12]],
         completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
         texts=["", "", ""],
         finish_reasons=["length", "stop", "stop"],
     )
-    later = common.batch_logps(model, ro, [1, 2], tok.pad_token_id, 1.0, token_budget=64)  # longest row excluded
+    later = common.no_grad_logps(model, ro, [1, 2], tok.pad_token_id, 1.0, token_budget=64)  # longest row excluded
     assert later.shape == (2, common.completion_mask_of(ro).shape[1]) == (2, 4)
-    full = common.batch_logps(model, ro, range(3), tok.pad_token_id, 1.0, token_budget=64)
+    full = common.no_grad_logps(model, ro, range(3), tok.pad_token_id, 1.0, token_budget=64)
     assert torch.allclose(full[1:], later, atol=1e-5)
 
 

@@ -113,7 +113,7 @@ def test_mismatch_metrics_by_hand():
     mask = MASK.clone()
     engine = [[-1.0, -2.0, -0.5], [-1.0, -3.0]]  # mu; pi_old = mu + log rho
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, 0.0]]) + LOG_RHO * MASK
-    m = common.Mismatch(_Rollout(engine), mask, "token-tis", 0.0, 0.0)
+    m = common.RolloutCorrection(_Rollout(engine), mask, "token-tis", 0.0, 0.0)
     w = m.weights([0, 1], old, mask)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.25], [1.5, 1.0, 0.0]]), atol=1e-6)
     out = m.metrics()
@@ -134,9 +134,9 @@ def test_no_engine_log_probs_is_inert():
     class NoLogps:
         has_engine_logps, rows = False, [0, 1]
 
-    m = common.Mismatch(NoLogps(), MASK, "token-tis", 0.0, 0.1)
+    m = common.RolloutCorrection(NoLogps(), MASK, "token-tis", 0.0, 0.1)
     assert not m.available and m.weights([0, 1], torch.zeros(2, 3), MASK) is None and m.metrics() == {}
-    m.check_once(1)  # nothing to check
+    m.check_engine(1)  # nothing to check
 
 
 # ----- a stale engine stops the run
@@ -235,21 +235,29 @@ def test_fp16_is_refused_on_cpu(monkeypatch, capsys, tmp_path):
     assert common.model_dtypes(torch.device("cpu"), compute_dtype="fp16") == (torch.float32, None)
 
 
+def _scripts_update(model, opt, scaler, x, step, update):
+    """One optimizer update as the scripts' template makes it (scale, backward, unscale, clip and check, step)."""
+    opt.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    scaler.unscale_(opt)
+    norm = common.clip_grad_norm(model, 1.0, scaler, step, update)
+    scaler.step(opt)
+    scaler.update()
+    return norm
+
+
 def test_loss_scale_skips_a_non_finite_update_and_keeps_a_finite_one():
     model = torch.nn.Linear(3, 1)
     opt, _ = common.make_optimizer(model, 0.1, 0.0, 0)
-    scale = common.LossScale("fp16", torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=True)  # --dtype fp16
     before = model.weight.detach().clone()
-    scale.scale(model(torch.tensor([[1.0, float("inf"), 0.0]])).sum()).backward()
-    norm = scale.step(model, opt, 1.0, step=1, update=1)  # no RunError: fp16 skips it and lowers the scale
-    assert not torch.isfinite(norm) and torch.equal(model.weight, before) and scale.skipped == 1
-    assert scale.metrics(norm) == {"charts/loss_scale": 32768.0, "losses/updates_skipped": 1}  # 65536 halved
-    opt.zero_grad()
-    scale.scale(model(torch.ones(1, 3)).sum()).backward()
-    norm = scale.step(model, opt, 1.0, step=1, update=2)
+    norm = _scripts_update(model, opt, scaler, torch.tensor([[1.0, float("inf"), 0.0]]), 1, 1)  # no RunError: skipped
+    assert not torch.isfinite(norm) and torch.equal(model.weight, before)
+    assert common.grad_metrics(norm, scaler) == {"charts/loss_scale": 32768.0, "losses/update_skipped": 1.0}  # halved
+    norm = _scripts_update(model, opt, scaler, torch.ones(1, 3), 1, 2)
     assert torch.isfinite(norm) and not torch.equal(model.weight, before)
-    plain = common.LossScale("bf16", torch.device("cpu"))
-    opt.zero_grad()
-    plain.scale(model(torch.tensor([[float("nan"), 0.0, 0.0]])).sum()).backward()
-    with pytest.raises(common.RunError, match="non-finite gradient norm"):  # bf16/fp32: a NaN stops the run
-        plain.step(model, opt, 1.0, step=3, update=4)
+    assert common.grad_metrics(norm, scaler)["losses/update_skipped"] == 0.0
+    plain = torch.amp.GradScaler("cpu", enabled=False)  # bf16 / fp32: nothing scaled, a NaN stops the run
+    with pytest.raises(common.RunError, match="non-finite gradient norm"):
+        _scripts_update(model, opt, plain, torch.tensor([[float("nan"), 0.0, 0.0]]), 3, 4)
+    assert set(common.grad_metrics(torch.tensor(2.0), plain)) == {"losses/grad_norm"}

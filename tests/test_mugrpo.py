@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -70,7 +71,10 @@ EXPECTED_ROW0 = {
 }
 
 
-@pytest.mark.parametrize("scope", mugrpo.VETO_SCOPES)
+VETO_SCOPES = typing.get_args(typing.get_type_hints(mugrpo.Args)["veto_scope"])  # the flag's choices
+
+
+@pytest.mark.parametrize("scope", VETO_SCOPES)
 def test_veto_mask_each_scope_by_hand(scope):
     logp, behav, adv, mask = _veto_case()
     keep = mugrpo.veto_mask(logp, behav, adv, mask, LOG_DELTA, scope)
@@ -224,16 +228,16 @@ def test_rollout_batch_rows():
         with pytest.raises(IndexError):
             rb.completion(bad)
     # pad_batch and the mask of the rows
-    tb = common.rows_batch(rb, range(4), 0)
+    tb = common.token_batch_of(rb, range(4), 0)
     assert tb.input_ids[0].tolist() == [5, 6, 7, 300, 301, 2] and tb.input_ids[3].tolist() == [0, 0, 9, 1, 70000, 0]
     assert common.completion_mask_of(rb).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
     # the constructor of lists of rows gives the same batch
-    again = common.RolloutBatch.from_rows(
+    again = common.rollout_from_rows(
         [r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons, [list(map(float, r[4])) for r in rows]
     )
     assert tiny.prompts(again) == tiny.prompts(rb) and tiny.completions(again) == tiny.completions(rb)
     assert tiny.engine_logps(again) == tiny.engine_logps(rb)
-    assert not common.RolloutBatch.from_rows([[1]], [[2]], [], []).has_engine_logps
+    assert not common.rollout_from_rows([[1]], [[2]], [], []).has_engine_logps
 
 
 def test_rollout_batch_is_packed():
@@ -248,14 +252,14 @@ def test_rollout_batch_is_packed():
         + 8 * (4 + 1)  # completion tokens and offsets
         + 4 * n_tok
     )  # log-probs (they share the completions' offsets)
-    assert rb.nbytes() == expected
+    assert common.rollout_nbytes(rb) == expected
     with pytest.raises(ValueError, match="log-probs"):
         rb.append_row([1], [2, 3], "", "stop", [-1.0])  # one log-prob per completion token
     with pytest.raises(ValueError, match="every row or for none"):
         rb.append_row([1], [2], "", "stop", None)
     assert len(rb) == len(rb.texts) == 4  # a refused row leaves nothing behind
     with pytest.raises(ValueError):
-        common.RolloutBatch.from_rows([[1], [2]], [[3]], [], [])
+        common.rollout_from_rows([[1], [2]], [[3]], [], [])
 
 
 def test_rollout_batch_memory_per_token():
@@ -331,9 +335,9 @@ def _rows(out, run_name):
 def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, monkeypatch):
     """Every update's behav_logp equals the log-probs under a snapshot of the weights taken when the stage's
     rollouts were generated; the first update's equals its own current log-probs; later updates drift away."""
-    real_generate, real_logps, real_batch = common.HFEngine.generate, common.completion_logps, common.batch_logps
+    real_generate, real_logps, real_batch = common.HFEngine.generate, common.completion_logps, common.no_grad_logps
     real_loss, real_veto = mugrpo.compute_policy_loss, mugrpo.veto_mask
-    snapshots, records, calls = [], [], {"batch_logps": 0, "veto": 0, "loss": 0}
+    snapshots, records, calls = [], [], {"no_grad_logps": 0, "veto": 0, "loss": 0}
 
     def generate(self, prompt_ids, n, *a, desc="generate", **kw):
         if desc == "generate":  # a training stage starts: freeze a copy of the weights
@@ -342,12 +346,12 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
 
     def completion_logps(model, tb, *a, **kw):
         lp, ent = real_logps(model, tb, *a, **kw)
-        if torch.is_grad_enabled():  # an update's forward pass (batch_logps runs without grad)
+        if torch.is_grad_enabled():  # an update's forward pass (no_grad_logps runs without grad)
             records.append({"stage": len(snapshots) - 1, "tb": tb, "logp": lp.detach().clone()})
         return lp, ent
 
-    def batch_logps(*a, **kw):
-        calls["batch_logps"] += 1
+    def no_grad_logps(*a, **kw):
+        calls["no_grad_logps"] += 1
         return real_batch(*a, **kw)
 
     def veto_mask(*a, **kw):
@@ -361,13 +365,13 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
 
     monkeypatch.setattr(common.HFEngine, "generate", generate)
     monkeypatch.setattr(common, "completion_logps", completion_logps)
-    monkeypatch.setattr(common, "batch_logps", batch_logps)
+    monkeypatch.setattr(common, "no_grad_logps", no_grad_logps)
     monkeypatch.setattr(mugrpo, "veto_mask", veto_mask)
     monkeypatch.setattr(mugrpo, "compute_policy_loss", compute_policy_loss)
     mugrpo.main(mugrpo.Args(**_settings(toy, tmp_path, "stage", behav_logp=behav_source)))
 
     assert len(snapshots) == 2 and len(records) == calls["loss"] == calls["veto"] > 0  # veto at every update
-    assert calls["batch_logps"] == (2 if behav_source == "trainer" else 0)  # once per stage, never recomputed
+    assert calls["no_grad_logps"] == (2 if behav_source == "trainer" else 0)  # once per stage, never recomputed
     model = common.load_model(toy["model"], torch.device("cpu"))
     for rec in records:
         model.load_state_dict(snapshots[rec["stage"]])
@@ -476,6 +480,6 @@ def test_stage_defaults_are_redeclared_not_the_common_block():
 
 
 def test_veto_scopes_are_the_flag_choices():
-    import typing
-
-    assert typing.get_args(typing.get_type_hints(mugrpo.Args)["veto_scope"]) == mugrpo.VETO_SCOPES
+    assert set(VETO_SCOPES) == set(EXPECTED_ROW0)  # every choice of --veto-scope has a hand-computed mask above
+    with pytest.raises(ValueError, match="unknown veto scope"):
+        mugrpo.veto_mask(*_veto_case(), LOG_DELTA, "suffix-nontrigger")

@@ -211,6 +211,6 @@ def test_hf_engine_ignores_the_models_generation_config(tmp_path, name, temperat
     torch.manual_seed(0)
     ro = engine.generate(prompts, n=8, max_new_tokens=12, temperature=temperature, progress=False)
     assert model.generation_config.to_dict() == saved  # restored after the call
-    trainer = common.batch_logps(model, ro, range(len(ro)), tok.pad_token_id, temperature, token_budget=512)
+    trainer = common.no_grad_logps(model, ro, range(len(ro)), tok.pad_token_id, temperature, token_budget=512)
     for r, eng in enumerate(tiny_mod.engine_logps(ro)):
         assert torch.allclose(trainer[r, : len(eng)], torch.tensor(eng), atol=1e-4), (name, r)

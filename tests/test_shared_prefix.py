@@ -70,7 +70,7 @@ def logps_and_grads(model, rollout, micros, pad_id, loss_fn=None):
     B, T = len(rollout), int(rollout.completion_lengths.max())
     out = torch.zeros(B, T)
     for micro in micros:
-        tb = common.rows_batch(rollout, micro, pad_id)
+        tb = common.token_batch_of(rollout, micro, pad_id)
         lp, _ = common.completion_logps(model, tb, 1.0)
         if loss_fn is None:
             loss = (lp * torch.arange(1, lp.shape[1] + 1) * tb.completion_mask).sum()
@@ -97,8 +97,8 @@ def test_packed_groups_match_rows(tiny_path):
     assert all(m.packs for m in packed) and sum(len(p) for m in packed for p in m.packs) == len(ro)
     plain = common.micro_batches(ro, rows, 1024)  # no model: padded rows, as before packing existed
     assert all(m.packs is None for m in plain)
-    tb = common.rows_batch(ro, packed[0], tok.pad_token_id)
-    tokens_packed, tokens_rows = tb.input_ids.numel(), common.rows_batch(ro, plain[0], tok.pad_token_id).input_ids.numel()
+    tb = common.token_batch_of(ro, packed[0], tok.pad_token_id)
+    tokens_packed, tokens_rows = tb.input_ids.numel(), common.token_batch_of(ro, plain[0], tok.pad_token_id).input_ids.numel()
     assert tokens_packed < tokens_rows  # each prompt once
     assert_same(logps_and_grads(model, ro, packed, tok.pad_token_id), logps_and_grads(model, ro, plain, tok.pad_token_id))
 
@@ -112,7 +112,7 @@ def test_groups_split_over_micro_batches_and_sub_packs(tiny_path):
     assert len(small) > 1 and any(m.packs and len(m.packs[0]) < G for m in small)
     for m in small:  # the budget counts the tokens computed: packs x longest pack
         if m.packs:
-            assert common.rows_batch(ro, m, tok.pad_token_id).input_ids.numel() <= 24 or len(m.packs) == 1
+            assert common.token_batch_of(ro, m, tok.pad_token_id).input_ids.numel() <= 24 or len(m.packs) == 1
     split = [half for m in common.micro_batches(ro, rows, 1024, model) for half in common._split_micro_batch(m)]
     one_pack = common.MicroBatch.of_packs([list(range(G))])
     assert [list(h) for h in common._split_micro_batch(one_pack)] == [[0, 1], [2, 3]]  # sub-packs repeat the prompt
@@ -147,7 +147,9 @@ def _losses(rollout):
     def wrap(fn, agg):
         def loss(lp, micro, mask):
             old = (lp - offset[micro, : lp.shape[1]]).detach()
-            return fn(lp, old, adv[micro], mask) * common.accumulation_weight(agg, mask, total, len(micro), B)
+            return fn(lp, old, adv[micro], mask) * common.accumulation_weight(
+                "token" if agg == "token-mean" else "sequence", mask, total, len(micro), B
+            )
 
         return loss
 
@@ -203,13 +205,13 @@ def test_batch_logps_packs_too(tiny_path):
     model = common.load_model(tiny_path, torch.device("cpu"))
     ro = rollout_of(len(tok), tok.eos_token_id, seed=4)
     rows = list(range(len(ro)))
-    packed = common.batch_logps(model, ro, rows, tok.pad_token_id, 1.0, 1024)
+    packed = common.no_grad_logps(model, ro, rows, tok.pad_token_id, 1.0, 1024)
     lp, _ = logps_and_grads(model, ro, common.micro_batches(ro, rows, 1024), tok.pad_token_id)
     assert (packed - lp).abs().max() < 1e-4
 
 
 class _Shapes:
-    """A model stand-in with SmolLM2-135M's shapes (attention_tokens reads only the config)."""
+    """A model stand-in with SmolLM2-135M's shapes (attention_break_even reads only the config)."""
 
     class config:
         _attn_implementation, hidden_size, num_attention_heads, num_key_value_heads = "sdpa", 576, 9, 3
@@ -220,21 +222,22 @@ class _Shapes:
 def test_rule_packs_short_completions_only(T, packs):
     """P = 50, G = 8 on SmolLM2's shapes: a dense pack of 8 x 256 tokens costs more than its rows (attention over
     the whole pack); the rule keeps those rows padded."""
-    assert common.attention_tokens(_Shapes()) == pytest.approx(3072.0)
-    ro = common.RolloutBatch.from_rows([[7] * 50] * 8, [[5] * T] * 8)
+    assert common.attention_break_even(_Shapes()) == pytest.approx(3072.0)
+    ro = common.rollout_from_rows([[7] * 50] * 8, [[5] * T] * 8)
     micros = common.micro_batches(ro, range(8), 16384, _Shapes())
     assert bool(micros[0].packs) == packs
 
 
 def _generate_both(engine, prompts, n, max_new_tokens, temperature, seed=0):
-    """The engine's loop and transformers' generate from the same seed: both rollouts and the generator state after."""
+    """The engine's loop and transformers' generate (ReferenceHFEngine, the same settings) from the same seed: both
+    rollouts and the generator state after."""
+    reference = common.ReferenceHFEngine(engine.model, engine.tokenizer, engine.gen_batch_size, engine.return_logps)
+    reference.eos_ids = engine.eos_ids
     runs = []
-    for use_generate in (False, True):
-        engine.use_generate = use_generate
+    for e in (engine, reference):
         torch.manual_seed(seed)
-        ro = engine.generate(prompts, n, max_new_tokens, temperature, progress=False)
+        ro = e.generate(prompts, n, max_new_tokens, temperature, progress=False)
         runs.append((ro, torch.rand(4)))  # the next draws: the generator advanced by as much in both
-    engine.use_generate = False
     return runs
 
 
@@ -255,15 +258,3 @@ def test_sampling_loop_draws_what_transformers_generate_draws(tiny_path, n, temp
     assert torch.equal(next_a, next_b)
     assert max(abs(x - y) for r in range(len(a)) for x, y in zip(a.engine_logp(r), b.engine_logp(r))) < 1e-5
     assert model.training  # the engine leaves the model as it found it
-
-
-def test_sampling_loop_min_new_tokens_matches_generate(tiny_path):
-    """The benchmarks' full-length rows (EOS forbidden before min_new_tokens) as transformers' processor does it."""
-    tok = tiny.make_tokenizer()
-    model = common.load_model(tiny_path, torch.device("cpu"))
-    engine = common.HFEngine(model, tok, gen_batch_size=16, return_logps=True)
-    engine.min_new_tokens = 10
-    prompts = [common.format_prompt(tok, q) for q in ("What is 1 + 2?", "Hi")]
-    (a, next_a), (b, next_b) = _generate_both(engine, prompts, 4, 10, 1.0)
-    assert tiny.completions(a) == tiny.completions(b) and torch.equal(next_a, next_b)
-    assert all(len(c) == 10 for c in tiny.completions(a))

@@ -465,7 +465,7 @@ def _fake_world(monkeypatch, world, rank):
     """The World that init_world would make under torchrun (the engine reads it; no process group is needed)."""
     import common
 
-    monkeypatch.setattr(common, "_WORLD", common.World(rank, world, rank, torch.device("cpu")))
+    monkeypatch.setattr(common, "_WORLD", common.DistributedWorld(rank, world, rank, torch.device("cpu")))
 
 
 def test_constructor_under_torch_distributed(fake, monkeypatch):

@@ -335,7 +335,7 @@ def test_corrections_change_an_update_by_rounding_only(real, mode):
     model, tok = real["model"], real["tokenizer"]
     rollout = real["engine"].generate(real["prompts"], 4, 16, 1.0, seed=5, progress=False)
     rows = list(range(len(rollout)))
-    tb = common.rows_batch(rollout, rows, tok.pad_token_id)
+    tb = common.token_batch_of(rollout, rows, tok.pad_token_id)
     mask = tb.completion_mask
     adv = torch.linspace(-1.0, 1.0, len(rows))
 
@@ -347,7 +347,7 @@ def test_corrections_change_an_update_by_rounding_only(real, mode):
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), logp.detach()
 
     g_none, old = grad(None)
-    mismatch = common.Mismatch(rollout, common.completion_mask_of(rollout), mode)
+    mismatch = common.RolloutCorrection(rollout, common.completion_mask_of(rollout), mode)
     w = mismatch.weights(rows, old, mask)
     g_w, _ = grad(w)
     model.zero_grad(set_to_none=True)
@@ -377,7 +377,7 @@ def _read_rows(run_dir):
 @pytest.fixture(scope="module")
 def easy_data(tmp_path_factory):
     """One-digit sums: SmolLM2-135M gets some right and some wrong at T = 1, so step 1 has a learning signal and
-    step 2's rollout (and its perf/engine_logp_diff) comes from weights pushed after a real update."""
+    step 2's rollout (and its mismatch/ metrics) comes from weights pushed after a real update."""
     from tests import tiny
 
     rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(1, 5) for b in range(1, 5)]
@@ -433,17 +433,16 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
     signal = [r["rollout/zero_adv_group_frac"] < 1 for r in train]
     print(f"{method}: step rewards {[r['rollout/reward_mean'] for r in train]}, learning signal {signal}")
     if "--behav-logp" in extra:
-        # behaviour log-probs come from the engine (at T = 0.7): no trainer pass to compare, so no
-        # perf/engine_logp_diff; the first update of each stage (its row carries the rollout metrics) runs under
-        # the weights the engine sampled with, so rho = pi_theta / pi_engine = 1 within the tolerance there and
-        # k3 = (rho - 1) - log rho ~ diff^2 / 2. Stale weights or untempered log-probs give >= WRONG_MIN^2 / 2.
-        assert all("perf/engine_logp_diff" not in r for r in train)
+        # behaviour log-probs come from the engine (at T = 0.7): no trainer pass to compare (mismatch/ is 0, below);
+        # the first update of each stage (its row carries the rollout metrics) runs under the weights the engine
+        # sampled with, so rho = pi_theta / pi_engine = 1 within the tolerance there and k3 = (rho - 1) - log rho
+        # ~ diff^2 / 2. Stale weights or untempered log-probs give >= WRONG_MIN^2 / 2.
         kl = [r["losses/approx_kl"] for r in train]
         print(f"{method} --behav-logp engine: approx_kl of each stage's first update {kl}")
         assert all(abs(k) < LOGP_TOL_MAX**2 for k in kl)
     else:
-        diffs = [(r["perf/engine_logp_diff"], r["perf/engine_logp_diff_max"]) for r in train]
-        print(f"{method}: perf/engine_logp_diff (mean, max) per step {diffs}")
+        diffs = [(r["mismatch/abs_log_rho_mean"], r["mismatch/abs_log_rho_max"]) for r in train]
+        print(f"{method}: mismatch/abs_log_rho_mean, _max (engine against trainer) per step {diffs}")
         assert all(m < LOGP_TOL_MEAN and x < LOGP_TOL_MAX for m, x in diffs)
     # the stale-engine check (--max-engine-logp-diff 0.1) ran at every step and passed; the raw mismatch is logged
     mismatch = [r["mismatch/abs_log_rho_mean"] for r in train]
@@ -542,7 +541,8 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     """grpo.py under torchrun with 2 gloo ranks, FSDP2 trainer and one external_launcher engine per rank: runs
     to the end (vLLM's engines closed before the process group goes: no 'Invalid process group' at exit), the
     engine's log-probs after a push from the sharded trainer equal the trainer's, the checkpoint's optimizer is
-    sharded in two. Measured here: 127 s, perf/engine_logp_diff 7.4e-6 / 9.7e-6 (max 4.3e-5)."""
+    sharded in two. Measured here: 127 s, engine against trainer (then perf/engine_logp_diff, now
+    mismatch/abs_log_rho_mean) 7.4e-6 / 9.7e-6 (max 4.3e-5)."""
     flags = [
         "--model",
         common.EMBEDDED_MODEL,
@@ -596,8 +596,8 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     assert "Invalid process group" not in proc.stderr and proc.stdout.count("final model:") == 1
     train = [r for r in _read_rows(tmp_path / "run") if "rollout/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
-    diffs = [(r["perf/engine_logp_diff"], r["perf/engine_logp_diff_max"]) for r in train]
-    print(f"2 ranks: perf/engine_logp_diff (mean, max) per step {diffs}")
+    diffs = [(r["mismatch/abs_log_rho_mean"], r["mismatch/abs_log_rho_max"]) for r in train]
+    print(f"2 ranks: mismatch/abs_log_rho_mean, _max per step {diffs}")
     assert all(m < LOGP_TOL_MEAN and x < LOGP_TOL_MAX for m, x in diffs)
     shards = os.listdir(tmp_path / "run" / "checkpoints" / "step_000002" / "optimizer")
     assert sorted(n for n in shards if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
