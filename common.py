@@ -712,9 +712,13 @@ def _chunk_logp_entropy(hidden, weight, bias, targets, temperature: float, softc
     logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    with torch.no_grad():
-        log_probs = logits.detach() - logz.detach().unsqueeze(-1)  # (N, V) log p
-        entropy = -(log_probs.exp() * log_probs).sum(-1)  # H = -sum_v p log p: small terms, no large ones cancelling
+    with torch.no_grad():  # H = -sum_v p log p, from the logits shifted by their maximum (0 there, <= 0 elsewhere)
+        shifted = logits.detach() - logits.detach().amax(-1, keepdim=True)  # (N, V)
+        top = shifted == 0  # (N, V) the maximum and its ties, k per row
+        k = top.sum(-1, keepdim=True)
+        rest = shifted.exp().masked_fill_(top, 0.0).sum(-1, keepdim=True)  # (N, 1) sum of exp over the others
+        log_probs = shifted - (torch.log(k) + torch.log1p(rest / k))  # log p: no large numbers subtracted
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy
 
 
