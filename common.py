@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -213,7 +214,8 @@ def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: 
 def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
     """n completions for each of the P prompts (token id lists). World size 1: engine.generate on all of them (a
     RolloutBatch). Several processes: each rank generates the groups World.deal_groups gives it from the mini-batch
-    plan (prompt g's requests seeded by (seed, g) where the engine allows it: vLLM) -> a ShardedRollout."""
+    plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same tokens on any rank) -> a
+    ShardedRollout."""
     w = world()
     if not w.enabled:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
@@ -223,28 +225,46 @@ def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperatur
 
 
 class HFEngine:
-    """The trainer's own model as the rollout engine (no weight copy: wake, sleep, push_weights do nothing). A sampling
-    loop over the model's forward and a KV cache: each prompt is prefilled once for its n rows, and a row that has
-    ended (EOS) leaves the batch. The sampler is transformers' own (softmax(logits / T), torch.multinomial over every
-    row, ended rows fixed to pad), so a seed draws what `model.generate` draws (ReferenceHFEngine)."""
+    """The trainer's model as the rollout engine: a sampling loop over its forward and a KV cache, each prompt
+    prefilled once for its n rows, a row that has ended (EOS) out of the batch. Each token is drawn from
+    softmax(logits / T) by one uniform per running row (sample_from_logits); with `seed`, group k's rows draw from
+    their own generator, seeded by (seed, k), so a group's completions do not depend on how the prompts are split
+    over ranks. `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False):
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None):
         self.model, self.tokenizer = model, tokenizer
         self.gen_batch_size, self.return_logps = gen_batch_size, return_logps
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.sampler = model  # the model generation runs on: the trainer's own, or its low-precision copy
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            self.sampler = copy.deepcopy(model).eval().requires_grad_(False)
+            for param in self.sampler.parameters():  # weights only: buffers (rotary frequencies) keep fp32
+                param.data = param.data.to(dtype)
+
+    def wake(self, model=None) -> None:
+        """The weight sync: the low-precision copy takes the trainer's current weights (the trainer's own model:
+        nothing to copy)."""
+        if model is not None and self.sampler is not model:
+            with torch.no_grad():
+                for copied, trained in zip(self.sampler.parameters(), model.parameters()):
+                    copied.copy_(trained)
+
+    push_weights = wake
+    sleep = lambda self: None  # noqa: E731 - nothing to free
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
-        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups, sampled from torch's
-        global generator (`seed`, `group_ids`: for engines with per-request seeds). Several processes: every rank
-        passes as many prompts (a rank that is done keeps stepping until all are: FSDP's forwards are collectives)."""
+        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups. `seed`: prompt i
+        draws from a generator seeded by (seed, group_ids[i] or i); None: torch's global generator. Several
+        processes: every rank passes as many prompts (a rank that is done keeps stepping until all are: FSDP's
+        forwards are collectives)."""
         from tqdm.auto import tqdm
 
-        synced, model = world().enabled, self.model
+        synced, model = world().enabled, self.sampler
         if synced and len(set(world().gather_objects(len(prompt_ids)))) != 1:
             raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
         rows = [ids for ids in prompt_ids for _ in range(n)]
@@ -261,8 +281,16 @@ class HFEngine:
                     batch = [torch.tensor(r) for r in rows[start : start + chunk]]
                     ids = pad_sequence(batch, batch_first=True, padding_value=self.pad_id, padding_side="left")
                     attention = pad_sequence([torch.ones_like(r) for r in batch], batch_first=True, padding_side="left")
+                    groups = range(start // n, (start + len(batch)) // n)  # this chunk's prompts
+                    generators = None
+                    if seed is not None:
+                        keys = [group_ids[g] if group_ids is not None else g for g in groups]
+                        base = request_seed_base(seed)
+                        generators = [torch.Generator().manual_seed((base + k * n) % 2**32) for k in keys]
                     device = next(model.parameters()).device
-                    tokens, logps = self._sample(ids.to(device), attention.to(device), n, max_new_tokens, temperature)
+                    tokens, logps = self._sample(
+                        ids.to(device), attention.to(device), n, max_new_tokens, temperature, generators
+                    )
                     for i, toks in enumerate(tokens.tolist()):  # a completion ends at (and keeps) its first EOS
                         end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
                         completion = toks[:end]
@@ -275,14 +303,13 @@ class HFEngine:
                 model.train(was_training)
         return out
 
-    def _sample(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
         """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
-        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature."""
+        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature.
+        `generators`: one per prompt of the chunk (None: the global generator); only running rows draw."""
         from transformers import DynamicCache
 
-        model, synced = self.model, world().enabled
+        model, synced = self.sampler, world().enabled
         R, W = input_ids.shape
         device = input_ids.device
         # prefill each distinct prompt once; its cache and its last position's logits are repeated for its n rows
@@ -309,24 +336,42 @@ class HFEngine:
                 position_ids = (prompt_len[running] + t - 1)[:, None]
                 step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
                 logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
-            if not bool(ended.all()):  # (a synced rank whose rows have all ended only steps for the collectives)
-                # transformers' sampler (GenerationMixin._sample), so a seed draws the same tokens
-                scores = logits.float() / temperature if temperature != 1.0 else logits.float()  # (L, V) running rows
-                probs = scores.new_zeros((R, scores.shape[-1]))
-                probs[:, self.pad_id] = 1.0  # an ended row: any valid distribution, its draw is replaced by pad
-                probs[running] = torch.softmax(scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)  # (R,), from R x V random draws
-                next_tokens[ended] = self.pad_id
-                tokens[:, t] = next_tokens
+            live = running[~ended[running]]  # (L,) the rows still running (a synced rank keeps stepping ended ones)
+            if len(live):
+                scores = logits[~ended[running]].float() / temperature  # (L, V)
+                if generators is None:
+                    u = torch.rand(len(live))  # (L,) one uniform per running row
+                else:  # group g's running rows, in row order, from its own generator
+                    counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
+                    u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
+                next_tokens = sample_from_logits(scores, u.to(device))  # (L,)
+                tokens[live, t] = next_tokens
                 if logps is not None:
-                    logps[running, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[running, None]).squeeze(1)
-                ended |= torch.isin(next_tokens, eos)
+                    logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
+                ended[live] = torch.isin(next_tokens, eos)
             done = bool(ended.all()) if not synced else world().max(float(not ended.all())) == 0.0  # synced: all ranks
             if done:
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
 
-    push_weights = sleep = wake = lambda self, model=None: None  # the engine is the trainer's model: nothing to do
+
+def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
+    the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
+    is taken in float64, so a token's chance is its probability to about 1e-12 per token of the vocabulary."""
+    cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1)  # (L, V)
+    threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # (L, 1) u * total (the total is 1 up to rounding)
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
+
+
+def request_seed_base(seed: int) -> int:
+    """A 32-bit base for the per-prompt seeds of one generate call (prompt k: base + k*n): splitmix64 of `seed`,
+    top 32 bits. Only the low 32 bits of a seed count on CPU (torch's mt19937 CPU generator is seeded with a
+    uint32), so calls with seeds seed, seed + 1, ... (the scripts pass seed + step) get unrelated bases."""
+    z = (int(seed) + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 32
 
 
 def autocast_context(model):
@@ -1015,6 +1060,11 @@ class Args:
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
     gen_batch_size: int = arg(64, "sequences generated together (hf engine; bounds its KV cache)")
+    engine_dtype: Literal["auto", "bf16"] = arg(
+        "auto",
+        "the hf engine's weights for generation: auto (the trainer's), bf16 (a bf16 copy refreshed at every weight "
+        "sync, the trainer's fp32 weights untouched; its mismatch is logged: docs/mismatch.md)",
+    )
     gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
     dtype: Literal["bf16", "fp16"] = arg(
         "bf16",
@@ -1148,6 +1198,10 @@ def _check_cross(args) -> str | None:
             + ("is a file" if os.path.exists(args.resume) else "no such folder")
             + "; pass a run folder or one of its checkpoints/step_N folders"
         )
+    if args.engine_dtype == "bf16" and args.engine == "vllm":
+        return "--engine-dtype bf16 is the hf engine's: vLLM's weights take --dtype (bf16 on a GPU already)"
+    if args.engine_dtype == "bf16" and W > 1:
+        return "--engine-dtype bf16 runs in one process only (a bf16 copy of FSDP2-sharded weights is not wired up)"
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
     if args.track and importlib.util.find_spec("wandb") is None:
@@ -1449,6 +1503,10 @@ def setup(args) -> tuple[World, torch.device]:
             "--dtype fp16 runs in one process only (loss scaling of FSDP2's sharded gradients is not "
             "wired up); use bf16 under torchrun"
         )
+    if args.engine_dtype == "bf16" and args.engine == "auto" and device.type == "cuda" and importlib.util.find_spec("vllm"):
+        raise UserError(
+            "--engine-dtype bf16 is the hf engine's: --engine auto picks vLLM here (its weights take --dtype); add --engine hf"
+        )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
     seed_everything(args.seed)
     return w, device
@@ -1587,15 +1645,20 @@ def make_engine(
     gpu_memory_utilization: float,
     return_logps: bool = False,
     dtype: str = "bf16",
+    engine_dtype: str = "auto",
 ):
     """`auto`: vLLM when a GPU and vLLM are present, otherwise the HF engine. `vllm` also runs on CPU
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
-    `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU."""
+    `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU. `engine_dtype`
+    bf16: the HF engine generates with a bf16 copy of the weights and returns its log-probs (the mismatch/ metrics
+    measure it)."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return VLLMEngine.colocated(
             model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization, dtype
         )
-    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps)
+    low = engine_dtype == "bf16"
+    dtype = torch.bfloat16 if low else None
+    return HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps or low, dtype=dtype)
 
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
@@ -2079,17 +2142,6 @@ class VLLMEngine:
         return engine
 
     # ------------------------------------------------------------------------------------------
-    @staticmethod
-    def request_seed_base(seed: int) -> int:
-        """A 32-bit base for the request seeds of one generate call: splitmix64 of `seed`, top 32 bits. Only the
-        low 32 bits of a seed count on CPU (torch's mt19937 CPU generator is seeded with a uint32), so calls with
-        seeds seed, seed + 1, ... (the scripts pass seed + step) get unrelated bases instead of seed*2^32-style
-        offsets that a CPU generator would all truncate to the same value."""
-        z = (int(seed) + 0x9E3779B97F4A7C15) % 2**64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-        return (z ^ (z >> 31)) >> 32
-
     def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
         return self._vllm.SamplingParams(
             n=n,
@@ -2145,7 +2197,7 @@ class VLLMEngine:
             # seed (within the 2^32 seeds a CPU generator distinguishes); the base differs call to call
             if (max(index) + 1) * n > 2**32:
                 raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the 2^32 seeds one call may use")
-            base = self.request_seed_base(seed)
+            base = request_seed_base(seed)
             params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
@@ -2890,16 +2942,14 @@ def write_rollouts(
 
 
 class ReferenceHFEngine(HFEngine):
-    """HFEngine with transformers' `generate` as its sampler: the reference its sampling loop is tested against (a
-    seed draws the same tokens)."""
+    """HFEngine with transformers' `generate` as its sampler (torch's global generator, whatever the seed): the
+    reference its sampling loop is tested against (the same distribution, the same log-probs of what it draws)."""
 
-    def _sample(
-        self, input_ids: torch.Tensor, attention: torch.Tensor, n: int, max_new_tokens: int, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
         """HFEngine._sample through transformers' `generate`: every row prefilled and stepped to the chunk's longest."""
         from transformers import GenerationConfig
 
-        model, synced = self.model, world().enabled
+        model, synced = self.sampler, world().enabled
         # generate() fills every field left None in its config from model.generation_config (a Qwen-Instruct
         # repetition_penalty, a min_p, suppress_tokens, ...): hide it for the call so nothing is merged in
         model_generation_config, model.generation_config = model.generation_config, GenerationConfig()

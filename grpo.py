@@ -155,6 +155,7 @@ def main(args: Args) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         return_logps=args.rollout_is != "none",  # a correction needs the engine's log-probs
         dtype=args.dtype,
+        engine_dtype=args.engine_dtype,
     )
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16: dynamic loss scaling; else none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
@@ -210,7 +211,7 @@ def main(args: Args) -> None:
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
         with timers("wake"):
-            engine.wake(model)  # the weight sync. vLLM: wake, push the trainer's weights, reset prefix cache; hf: no-op
+            engine.wake(model)  # the weight sync. vLLM: wake, push the weights, reset prefix cache; hf: refresh a bf16 copy
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
         minibatches = common.group_shuffled_minibatches(
             P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)

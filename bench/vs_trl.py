@@ -3,7 +3,8 @@
 Both sides: the embedded SmolLM2-135M-Instruct (fp32), the same arithmetic prompts through the same chat
 template in the same order, P prompts x G generations, the same maximum completion length, temperature 1,
 top_p 1, no top-k, the transformers model's forward as the rollout engine (TRL: `generate`; ours: HFEngine's
-sampling loop, which draws the tokens `generate` draws for the same seed), one optimizer update per rollout batch
+sampling loop, which draws from the same softmax(logits / T); `--engine-dtype bf16`: from a bf16 copy), one
+optimizer update per rollout batch
 (TRL: num_iterations=1, gradient_accumulation_steps=1; ours: --updates-per-batch 1, so neither computes
 old log-probs), no reference model (beta 0), token-mean loss (TRL "dapo"), no gradient checkpointing, AdamW
 lr 1e-5, grad-norm clip 1.
@@ -16,6 +17,7 @@ Evaluation (ours runs one tiny one before/after training) lies outside every tim
 
     bash bench/setup.sh                                      # bench/.venv = system packages + trl==1.16.0
     flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 2
+    flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 3 --engine-dtype auto bf16
 
 `--force-length` makes every row run to max_new_tokens on both sides (TRL: min_new_tokens, EOS suppressed;
 ours: common.full_length_rows, EOS sampled as any token and ending nothing), so both generate the same number of
@@ -74,6 +76,7 @@ def child_ours(o) -> dict:
         model=common.EMBEDDED_MODEL,
         dataset="arith",
         engine="hf",
+        engine_dtype=o.engine_dtype,
         seed=o.seed,
         total_steps=o.steps,
         prompts_per_step=o.prompts,
@@ -206,8 +209,9 @@ def child_trl(o) -> dict:
 # parent
 
 
-def run_child(side: str, o, log_dir: str, tag: str, seed: int) -> dict:
-    out_json = os.path.join(log_dir, f"{tag}_{side}.json")
+def run_child(side: str, o, log_dir: str, tag: str, seed: int, engine_dtype: str = "auto") -> dict:
+    name = side if side == "trl" or engine_dtype == "auto" else f"{side}_{engine_dtype}"
+    out_json = os.path.join(log_dir, f"{tag}_{name}.json")
     cmd = [
         o.python,
         os.path.abspath(__file__),
@@ -225,10 +229,12 @@ def run_child(side: str, o, log_dir: str, tag: str, seed: int) -> dict:
         str(o.max_new_tokens),
         "--seed",
         str(seed),
+        "--engine-dtype",
+        engine_dtype,
     ]
     cmd += ["--force-length"] if o.force_length else []
     cmd += ["--trl-gradient-checkpointing"] if o.trl_gradient_checkpointing else []
-    with open(os.path.join(log_dir, f"{tag}_{side}.log"), "w") as log:
+    with open(os.path.join(log_dir, f"{tag}_{name}.log"), "w") as log:
         t0 = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -237,16 +243,17 @@ def run_child(side: str, o, log_dir: str, tag: str, seed: int) -> dict:
     result = json.load(open(out_json))
     result["peak_rss_gb"] = usage.ru_maxrss / 2**20  # KiB on Linux
     result["process_s"] = time.time() - t0
+    result["engine_dtype"] = engine_dtype
     print(
-        f"  {tag} {side}: peak RSS {result['peak_rss_gb']:.2f} GB, process {result['process_s']:.0f} s, steps "
+        f"  {tag} {name}: peak RSS {result['peak_rss_gb']:.2f} GB, process {result['process_s']:.0f} s, steps "
         + ", ".join(f"{s['step_s']:.1f}s" if s["step_s"] else "warm-up" for s in result["steps"]),
         flush=True,
     )
     return result
 
 
-def summarize(runs: list[dict], o) -> str:
-    ours = [r for r in runs if r["side"] == "ours"]
+def summarize(runs: list[dict], o, engine_dtype: str = "auto") -> str:
+    ours = [r for r in runs if r["side"] == "ours" and r.get("engine_dtype", "auto") == engine_dtype]
     trl = [r for r in runs if r["side"] == "trl"]
     B = o.prompts * o.G
 
@@ -269,7 +276,12 @@ def summarize(runs: list[dict], o) -> str:
         ("completion tokens / s", "tok_per_s"),
         ("mean completion tokens", "len"),
     ]
-    lines = ["| per step | ours median | TRL median | ours/TRL min | median | max |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"ours with --engine-dtype {engine_dtype}",
+        "",
+        "| per step | ours median | TRL median | ours/TRL min | median | max |",
+        "|---|---|---|---|---|---|",
+    ]
     ratios_out = {}
     for label, key in rows:
         a = [v for r in ours for v in per_step(r, key)]
@@ -317,10 +329,18 @@ def main():
         action="store_true",
         help="TRL's own default (True); off by default here because ours is off by default",
     )
+    p.add_argument(
+        "--engine-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "bf16"],
+        help="ours: the hf engine's weights (several: each repeat runs ours once per value, TRL once)",
+    )
     p.add_argument("--python", default=sys.executable, help="interpreter for both children (needs trl)")
     p.add_argument("--results", default=os.path.join(ROOT, "bench", "results"), help="folder for JSON and logs")
     o = p.parse_args()
     if o.child:
+        o.engine_dtype = o.engine_dtype[0]
         result = child_ours(o) if o.child == "ours" else child_trl(o)
         with open(o.out_json, "w") as f:
             json.dump(result, f)
@@ -331,15 +351,17 @@ def main():
     print(f"logs in {log_dir}", flush=True)
     runs = []
     for rep in range(o.repeats):
-        order = ["ours", "trl"] if rep % 2 == 0 else ["trl", "ours"]
-        for side in order:
-            runs.append(run_child(side, o, log_dir, f"r{rep}", o.seed + rep))
-    table, ratios = summarize(runs, o)
-    print(table)
+        sides = [("ours", dtype) for dtype in o.engine_dtype] + [("trl", "auto")]
+        for side, dtype in sides if rep % 2 == 0 else sides[::-1]:
+            runs.append(run_child(side, o, log_dir, f"r{rep}", o.seed + rep, dtype))
+    tables, ratios = {}, {}
+    for dtype in o.engine_dtype:
+        tables[dtype], ratios[dtype] = summarize(runs, o, dtype)
+        print(tables[dtype] + "\n")
     with open(os.path.join(log_dir, "summary.json"), "w") as f:
-        json.dump({"args": vars(o), "runs": runs, "ratios": ratios, "table": table}, f, indent=1)
+        json.dump({"args": vars(o), "runs": runs, "ratios": ratios, "table": tables}, f, indent=1)
     with open(os.path.join(log_dir, "table.md"), "w") as f:
-        f.write(table + "\n")
+        f.write("\n".join(tables.values()) + "\n")
 
 
 if __name__ == "__main__":

@@ -269,7 +269,8 @@ def test_rollouts_dump_with_custom_reward(toy, tmp_path):
     for r in rows:
         assert r["reward"] == (1.5 if "2" in r["completion"] else 0.0)  # the custom function, out of [0, 1]
         assert 1 <= r["length"] <= 3 and r["finish_reason"] in ("stop", "length")
-        assert (r["finish_reason"] == "length") == (r["length"] == 3 and not r["completion"].endswith("<|im_end|>"))
+        # texts are decoded without special tokens: a row that ends with EOS at the limit is a 3-token "stop"
+        assert r["finish_reason"] == "stop" or r["length"] == 3
     rewards = torch.tensor([r["reward"] for r in rows])
     assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), grpo.compute_advantages(rewards, 8), atol=1e-5)
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("step") == 2 and "rollout/reward_mean" in m]
@@ -331,7 +332,11 @@ def test_several_eval_sets(toy, tmp_path, capsys):
         assert suite[f"eval/{key}"] == suite[f"eval/toy/{key}"]
     # a set's numbers do not depend on the other sets of the suite (same seed per set); one set: today's keys
     assert one["eval/pass@1"] == suite["eval/other/pass@1"] and one["eval/pass@2"] == suite["eval/other/pass@2"]
-    assert 0 < one["eval/pass@1"] < 1 and suite["eval/toy/pass@1"] != suite["eval/other/pass@1"]  # not trivially equal
+    assert 0 < one["eval/pass@1"] < 1
+    # not one set evaluated twice: each set's samples are of its own questions
+    samples = read_jsonl(tmp_path / "suite" / "samples.jsonl")
+    assert {s["question"][:7] for s in samples if s["eval_set"] == "toy"} == {"Say two"}
+    assert {s["question"][:7] for s in samples if s["eval_set"] == "other"} == {"Say one"}
     assert not [k for k in one if k.count("/") > 1]
     assert os.path.exists(tmp_path / "one" / "eval_correctness_step0.jsonl")
     samples = read_jsonl(tmp_path / "suite" / "samples.jsonl")

@@ -395,7 +395,11 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
     kl = [r["losses/approx_kl"] for r in rows]
     if behav_source == "trainer":
         assert kl[0] == 0.0 and kl[4] == 0.0  # first update of a stage: behav_logp == current log-probs
-    assert all(k > 1e-5 for i, k in enumerate(kl) if i % 4)
+    # once an update had a gradient (a mini-batch whose rewards varied), AdamW moves the weights at every later
+    # update (its momentum), so every later update of a stage sees the policy away from the stage's start
+    moved = [any(r["losses/grad_norm"] > 0 for r in rows[:i]) for i in range(len(rows))]
+    assert sum(moved[i] for i in range(8) if i % 4) >= 3, kl  # the setting trains: most updates have moved
+    assert all(k > 1e-5 for i, k in enumerate(kl) if i % 4 and moved[i]), kl
     drift = [(rec["logp"] - rec["behav"]).abs()[rec["tb"].completion_mask.bool()].max().item() for rec in records]
     assert drift[-1] > 1e-3
 

@@ -1,8 +1,8 @@
 """Each prompt computed once per group: the trainer's packed groups ([prompt | c_1 | ... | c_G], a block mask,
 positions restarting after the prompt) give the log-probs and gradients of the per-row path, for every loss
 aggregation and each method's loss, with uneven lengths, EOS inside, groups split over micro-batches, gradient
-checkpointing, eager attention and a Qwen2 model; the HF engine's sampling loop (prompts prefilled once, ended rows
-out of the batch) samples what transformers' generate samples."""
+checkpointing, eager attention and a Qwen2 model. The HF engine's sampling loop (prompts prefilled once, ended rows
+out of the batch) against the exact distribution and transformers' generate: tests/test_sampler.py."""
 
 import tempfile
 
@@ -226,35 +226,3 @@ def test_rule_packs_short_completions_only(T, packs):
     ro = common.rollout_from_rows([[7] * 50] * 8, [[5] * T] * 8)
     micros = common.micro_batches(ro, range(8), 16384, _Shapes())
     assert bool(micros[0].packs) == packs
-
-
-def _generate_both(engine, prompts, n, max_new_tokens, temperature, seed=0):
-    """The engine's loop and transformers' generate (ReferenceHFEngine, the same settings) from the same seed: both
-    rollouts and the generator state after."""
-    reference = common.ReferenceHFEngine(engine.model, engine.tokenizer, engine.gen_batch_size, engine.return_logps)
-    reference.eos_ids = engine.eos_ids
-    runs = []
-    for e in (engine, reference):
-        torch.manual_seed(seed)
-        ro = e.generate(prompts, n, max_new_tokens, temperature, progress=False)
-        runs.append((ro, torch.rand(4)))  # the next draws: the generator advanced by as much in both
-    return runs
-
-
-@pytest.mark.parametrize("n,temperature,gen_batch_size", [(4, 1.0, 16), (4, 0.7, 8), (1, 1.0, 3), (3, 1.3, 64)])
-def test_sampling_loop_draws_what_transformers_generate_draws(tiny_path, n, temperature, gen_batch_size):
-    """Each prompt prefilled once, ended rows out of the batch: the same tokens, finish reasons and log-probs as
-    model.generate on every row from the same seed, and the same random draws consumed (the next draw is equal).
-    Prompts of uneven lengths (a one-token prompt too), rows that end at EOS and rows cut at the maximum, one
-    or several chunks."""
-    tok = tiny.make_tokenizer()
-    model = common.load_model(tiny_path, torch.device("cpu"))
-    engine = common.HFEngine(model, tok, gen_batch_size=gen_batch_size, return_logps=True)
-    prompts = [common.format_prompt(tok, q) for q in ("What is 1 + 2?", "Hi", "Say seven now", "Count")]
-    prompts.append([tok.eos_token_id])
-    (a, next_a), (b, next_b) = _generate_both(engine, prompts, n, 24, temperature)
-    assert tiny.completions(a) == tiny.completions(b) and a.finish_reasons == b.finish_reasons
-    assert {"stop", "length"} <= set(a.finish_reasons)  # both ends are exercised
-    assert torch.equal(next_a, next_b)
-    assert max(abs(x - y) for r in range(len(a)) for x, y in zip(a.engine_logp(r), b.engine_logp(r))) < 1e-5
-    assert model.training  # the engine leaves the model as it found it

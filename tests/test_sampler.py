@@ -1,0 +1,297 @@
+"""The HF engine's sampler: each token drawn from softmax(logits / T) exactly (chi-square tests against the exact
+probabilities, and mutated samplers that fail them), one uniform per running row (ended rows draw nothing), the
+same tokens for a seed however the groups are chunked or split over ranks; and the opt-in bf16 engine (a bf16
+copy of the weights for generation, refreshed at each weight sync, the trainer's fp32 weights untouched)."""
+
+import tempfile
+
+import pytest
+import torch
+
+import common
+import grpo
+from tests import tiny
+
+N_DRAWS = 100_000
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return tiny.make_tiny_model(tempfile.mkdtemp(prefix="sampler_"))
+
+
+@pytest.fixture(scope="module")
+def sharp_path(tiny_path):
+    """The tiny model with its final norm scaled by 8: logits of standard deviation ~1 instead of ~0.12 (a nearly
+    uniform next token, which a sampler that ignored T would draw just as well)."""
+    model = common.load_model(tiny_path, torch.device("cpu"))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    path = tempfile.mkdtemp(prefix="sampler_sharp_")
+    model.save_pretrained(path)
+    common.load_tokenizer(tiny_path).save_pretrained(path)
+    return path
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts (K,) against probabilities (K,): Pearson's statistic, cells expected below 5
+    merged into one, df = cells - 1 (regularized upper incomplete gamma)."""
+    counts, expected = counts.double(), probs.double() * counts.sum()
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+        expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = len(counts) - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2).item()
+
+
+def two_sample_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """p-value that counts a (K,) and b (K,) come from one distribution (chi-square test of the 2 x K table;
+    columns with fewer than 10 draws in all merged into one)."""
+    a, b = a.double(), b.double()
+    small = (a + b) < 10
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum(0, keepdim=True)])
+        b = torch.cat([b[~small], b[small].sum(0, keepdim=True)])
+    table = torch.stack([a, b])  # (2, K)
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = table.shape[1] - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.double), stat / 2).item()
+
+
+# ----- sample_from_logits against the exact probabilities
+
+
+def correct(logits, T, u):
+    return common.sample_from_logits(logits / T, u)
+
+
+def ignores_temperature(logits, T, u):
+    return common.sample_from_logits(logits, u)
+
+
+def drops_the_last_token(logits, T, u):
+    return common.sample_from_logits(logits[:, :-1] / T, u)
+
+
+def float32_cumsum(logits, T, u):  # the cumulative sum in float32: its rounding shows on a long vocabulary
+    cdf = torch.softmax(logits / T, dim=-1).cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+
+
+PEAKED = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.027, 0.003]).log()  # the last token has 0.3%
+
+
+def draw_counts(sampler, logits: torch.Tensor, T: float, n: int = N_DRAWS, seed: int = 0) -> torch.Tensor:
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    tokens = sampler(logits.expand(n, -1), T, u)
+    return torch.bincount(tokens, minlength=logits.shape[-1])
+
+
+@pytest.mark.parametrize("T", [0.5, 1.0, 2.0])
+def test_sampler_draws_softmax_of_logits_over_T(T):
+    """100,000 draws of a 6-token distribution whose last token has probability 0.003 (at T 1), and of 80 random
+    logits: the counts fit softmax(logits / T) (p > 0.001; seeds fixed, so the test is deterministic)."""
+    wide = torch.randn(80, generator=torch.Generator().manual_seed(3)) * 2
+    for logits in (PEAKED, wide):
+        counts = draw_counts(correct, logits[None], T)
+        assert chi_square_p(counts, torch.softmax(logits / T, -1)) > 1e-3
+
+
+@pytest.mark.parametrize("mutant,T", [(ignores_temperature, 0.5), (ignores_temperature, 2.0), (drops_the_last_token, 1.0)])
+def test_a_wrong_sampler_fails_the_same_test(mutant, T):
+    """The test above can fail: a sampler that ignores T, or never draws the last token, is rejected (p < 1e-9)."""
+    counts = draw_counts(mutant, PEAKED[None], T)
+    assert chi_square_p(counts, torch.softmax(PEAKED / T, -1)) < 1e-9
+
+
+def test_each_row_draws_from_its_own_distribution():
+    """Rows with different logits in one call: each row's counts fit its own softmax (the gather is row-aligned)."""
+    logits = torch.stack([PEAKED, PEAKED.flip(0), torch.zeros(6)])  # (3, 6)
+    n = 40_000
+    u = torch.rand(3 * n, generator=torch.Generator().manual_seed(1))
+    tokens = common.sample_from_logits(logits.repeat(n, 1), u).view(n, 3)
+    for r in range(3):
+        assert chi_square_p(torch.bincount(tokens[:, r], minlength=6), torch.softmax(logits[r], -1)) > 1e-3
+
+
+def test_large_vocabulary_extremes():
+    """49,152 logits (the embedded model's vocabulary): u near 0 draws the first token with mass, u near 1 the last
+    one with mass, never an index past the vocabulary."""
+    logits = torch.full((2, 49152), -1e4)
+    logits[:, [5, 49150]] = 0.0
+    u = torch.tensor([0.0, 1.0 - 2**-24])
+    assert common.sample_from_logits(logits, u).tolist() == [5, 49150]
+
+
+# ----- the engine: the distribution, the draws it spends, a seed's tokens
+
+
+def _engine(path, gen_batch_size=64, **kw):
+    tok = common.load_tokenizer(path)
+    return common.HFEngine(common.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
+
+
+def test_engine_first_and_second_tokens_follow_the_model(sharp_path):
+    """4,000 rows of one prompt, two tokens each at T 0.7: the first tokens fit softmax(logits / T) of the prompt,
+    the second tokens (rows whose first token was not EOS) the exact mixture sum_t1 p(t1) p(. | prompt, t1)."""
+    engine, tok = _engine(sharp_path, gen_batch_size=4000)
+    model, T = engine.model, 0.7
+    prompt = common.format_prompt(tok, "What is 1 + 2?")
+    ro = engine.generate([prompt], 4000, 2, T, seed=5, progress=False)
+    V = model.config.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / T, -1)  # (V,)
+        follow = torch.tensor([prompt + [t] for t in range(V)])  # every possible first token
+        p2 = torch.softmax(model(follow).logits[:, -1].double() / T, -1)  # (V, V) p(t2 | prompt, t1)
+    eos = sorted(engine.eos_ids)
+    p1_going = p1.clone()
+    p1_going[eos] = 0.0
+    mixture = (p1_going[:, None] * p2).sum(0) / p1_going.sum()  # (V,)
+    completions = tiny.completions(ro)
+    first = torch.tensor([c[0] for c in completions])
+    second = torch.tensor([c[1] for c in completions if len(c) == 2])
+    assert len(second) > 3000
+    assert chi_square_p(torch.bincount(first, minlength=V), p1) > 1e-3
+    assert chi_square_p(torch.bincount(second, minlength=V), mixture) > 1e-3
+
+
+def test_engine_and_transformers_generate_draw_the_same_distribution(sharp_path):
+    """The reference path: transformers' generate (ReferenceHFEngine) and the engine's loop, 3,000 rows x 3 tokens
+    each: the token at each position has the same distribution in both (two-sample chi-square, p > 0.001)."""
+    engine, tok = _engine(sharp_path, gen_batch_size=3000)
+    reference = common.ReferenceHFEngine(engine.model, tok, gen_batch_size=3000)
+    reference.eos_ids = engine.eos_ids
+    prompt = common.format_prompt(tok, "Hi")
+    ours = tiny.completions(engine.generate([prompt], 3000, 3, 0.8, seed=2, progress=False))
+    torch.manual_seed(2)
+    theirs = tiny.completions(reference.generate([prompt], 3000, 3, 0.8, progress=False))
+    V = engine.model.config.vocab_size
+    for t in range(3):
+        a = torch.bincount(torch.tensor([c[t] for c in ours if len(c) > t]), minlength=V)
+        b = torch.bincount(torch.tensor([c[t] for c in theirs if len(c) > t]), minlength=V)
+        assert two_sample_p(a, b) > 1e-3, t
+
+
+PROMPTS = ["What is 1 + 2?", "Hi", "Say seven now", "Count"]
+
+
+def test_ended_rows_draw_nothing(tiny_path):
+    """Without a seed the engine draws from torch's global generator: exactly one uniform per running row per step
+    (the rows still running at step t: those whose completion is longer than t), so the next draw after the call
+    is the one after sum(completion lengths) such draws. A sampler that drew for ended rows too fails this."""
+    engine, tok = _engine(tiny_path)
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    torch.manual_seed(11)
+    ro = engine.generate(prompts, 8, 40, 1.0, progress=False)
+    after = torch.rand(4)
+    lengths = ro.completion_lengths
+    assert lengths.min() < lengths.max() == 40  # rows ended early and rows ran to the maximum
+    torch.manual_seed(11)
+    for t in range(int(lengths.max())):
+        torch.rand(int((lengths > t).sum()))  # the engine's draws at step t
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_a_seed_draws_the_same_tokens_however_the_groups_are_chunked_or_split(tiny_path):
+    """generate(seed=s): twice the same tokens; another seed other tokens; one group per chunk the same tokens as
+    all in one chunk; a subset of the prompts passed with their group ids (a torchrun rank's share) the same
+    tokens as those groups in the one-process call. The log-probs too."""
+    engine, tok = _engine(tiny_path, return_logps=True)
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    full = engine.generate(prompts, 3, 12, 0.9, seed=7, progress=False)
+    assert tiny.completions(full) == tiny.completions(engine.generate(prompts, 3, 12, 0.9, seed=7, progress=False))
+    assert tiny.completions(full) != tiny.completions(engine.generate(prompts, 3, 12, 0.9, seed=8, progress=False))
+    engine.gen_batch_size = 3  # one group per chunk
+    assert tiny.completions(full) == tiny.completions(engine.generate(prompts, 3, 12, 0.9, seed=7, progress=False))
+    engine.gen_batch_size = 64
+    share = engine.generate([prompts[2], prompts[0]], 3, 12, 0.9, seed=7, group_ids=[2, 0], progress=False)
+    want = [full.completion(r) for r in [6, 7, 8, 0, 1, 2]]
+    assert tiny.completions(share) == want
+    got_logps, want_logps = tiny.engine_logps(share), [full.engine_logp(r) for r in [6, 7, 8, 0, 1, 2]]
+    assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(got_logps, want_logps))
+
+
+def test_without_a_seed_the_global_generator_decides(tiny_path):
+    engine, tok = _engine(tiny_path)
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        runs.append(tiny.completions(engine.generate(prompts, 2, 10, 1.0, progress=False)))
+    assert runs[0] == runs[1] != runs[2]
+
+
+# ----- --engine-dtype bf16
+
+ENGINE_KW = dict(model_path="unused", max_model_len=256, seed=0, gen_batch_size=64, gpu_memory_utilization=0.3)
+
+
+def test_bf16_engine_copy_is_refreshed_at_wake_and_the_trainer_is_untouched(tiny_path):
+    """make_engine(engine_dtype="bf16"): generation runs on a bf16 copy (buffers kept fp32), log-probs returned;
+    after the trainer's weights change, the copy keeps the old ones until wake(model) copies the new ones (rounded
+    to bf16); the trainer's weights stay fp32, unshared and unchanged by the copy."""
+    tok = common.load_tokenizer(tiny_path)
+    model = common.load_model(tiny_path, torch.device("cpu"))
+    engine = common.make_engine("hf", model, tok, engine_dtype="bf16", **ENGINE_KW)
+    assert engine.return_logps and engine.sampler is not model
+    assert {p.dtype for p in engine.sampler.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {b.dtype for b in engine.sampler.buffers()} == {b.dtype for b in model.buffers()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    trained = [p.detach().clone() for p in model.parameters()]
+    stale = [p.detach().clone() for p in engine.sampler.parameters()]
+    assert not all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(stale, trained))
+    ro = engine.generate([common.format_prompt(tok, "Hi")], 2, 4, 1.0, seed=0, progress=False)
+    assert all(len(lp) == len(c) for lp, c in zip(tiny.engine_logps(ro), tiny.completions(ro)))
+    assert all(torch.equal(a, b) for a, b in zip(stale, engine.sampler.parameters()))  # no wake: no refresh
+    engine.wake(model)
+    assert all(torch.equal(c, t.to(torch.bfloat16)) for c, t in zip(engine.sampler.parameters(), trained))
+    assert all(p.dtype == torch.float32 and torch.equal(p, t) for p, t in zip(model.parameters(), trained))
+    assert all(c.data_ptr() != p.data_ptr() for c, p in zip(engine.sampler.parameters(), model.parameters()))
+
+
+def test_bf16_engine_log_probs_measure_its_own_rounding(tiny_path):
+    """The bf16 engine's log-probs of what it drew against the fp32 trainer's: close but not equal (the mismatch
+    the run's mismatch/ metrics report); the fp32 engine's are equal to 1e-4."""
+    tok = common.load_tokenizer(tiny_path)
+    model = common.load_model(tiny_path, torch.device("cpu"))
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    diffs = {}
+    for dtype in ("auto", "bf16"):
+        engine = common.make_engine("hf", model, tok, return_logps=True, engine_dtype=dtype, **ENGINE_KW)
+        ro = engine.generate(prompts, 4, 8, 1.0, seed=1, progress=False)
+        trainer = common.no_grad_logps(model, ro, range(len(ro)), tok.pad_token_id, 1.0, token_budget=512)
+        diffs[dtype] = max(
+            (trainer[r, : len(lp)] - torch.tensor(lp)).abs().max().item() for r, lp in enumerate(tiny.engine_logps(ro))
+        )
+    assert diffs["auto"] < 1e-4
+    assert 1e-4 < diffs["bf16"] < 0.5
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--engine", "vllm", "--engine-dtype", "bf16"], "--engine-dtype bf16 is the hf engine's"),
+        (["--engine-dtype", "fp8"], "invalid choice: 'fp8'"),
+    ],
+)
+def test_bf16_engine_refusals(flags, needle, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), *flags])
+    with pytest.raises(SystemExit) as exc:
+        common.run_cli(grpo.main, grpo.Args)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(err) == 1 and needle in err[0]
+
+
+def test_bf16_engine_refused_under_torchrun(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), "--engine-dtype", "bf16"])
+    with pytest.raises(SystemExit) as exc:
+        common.run_cli(grpo.main, grpo.Args)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exc.value.code == 2 and len(err) == 1 and "runs in one process only" in err[0]
