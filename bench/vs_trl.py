@@ -4,8 +4,8 @@ Both sides: the embedded SmolLM2-135M-Instruct (fp32), the same arithmetic promp
 template in the same order, P prompts x G generations, the same maximum completion length, temperature 1,
 top_p 1, no top-k, the transformers model's forward as the rollout engine (TRL: `generate`; ours: HFEngine's
 sampling loop, which draws from the same softmax(logits / T); `--engine-dtype bf16`: from a bf16 copy), one
-optimizer update per rollout batch
-(TRL: num_iterations=1, gradient_accumulation_steps=1; ours: --updates-per-batch 1, so neither computes
+optimizer update per rollout batch (TRL: num_iterations=1, gradient_accumulation_steps=1; ours:
+--updates-per-batch 1, so neither computes
 old log-probs), no reference model (beta 0), token-mean loss (TRL "dapo"), no gradient checkpointing, AdamW
 lr 1e-5, grad-norm clip 1.
 
@@ -17,7 +17,7 @@ Evaluation (ours runs one tiny one before/after training) lies outside every tim
 
     bash bench/setup.sh                                      # bench/.venv = system packages + trl==1.16.0
     flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 2
-    flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 3 --engine-dtype auto bf16
+    flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 2 --engine-dtype auto bf16
 
 `--force-length` makes every row run to max_new_tokens on both sides (TRL: min_new_tokens, EOS suppressed;
 ours: common.full_length_rows, EOS sampled as any token and ending nothing), so both generate the same number of
