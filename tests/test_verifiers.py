@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+import sandbox as S
 import verifiers as V
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def report_sandbox_mode(request):
 
 def _sandbox_pids() -> list[int]:
     """Live processes started by any sandbox run (tagged through their environment)."""
-    prefix = (V._SANDBOX_MARKER + "=").encode()
+    prefix = (S._SANDBOX_MARKER + "=").encode()
     return [pid for pid in _all_pids() if _environ_has_prefix(pid, prefix)]
 
 
@@ -73,16 +74,16 @@ def _pids_with_cmdline(fragment: str) -> list[int]:
 
 def _sandbox_dirs() -> set[str]:
     parents = {tempfile.gettempdir(), getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()}
-    return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
+    return {d for parent in parents for d in glob.glob(os.path.join(parent, S._SANDBOX_TMP_PREFIX + "*"))}
 
 
 def _sandbox_cgroups() -> set[str]:
     """The runs' cgroups (one per run and hierarchy, removed by the trainer after the run)."""
     return {
         os.path.join(parent, name)
-        for parent, _ in V._cgroup_parents()
+        for parent, _ in S._cgroup_parents()
         for name in os.listdir(parent)
-        if name.startswith(V._SANDBOX_CGROUP_PREFIX)
+        if name.startswith(S._SANDBOX_CGROUP_PREFIX)
     }
 
 
@@ -417,14 +418,14 @@ def test_code_reward_rejects_malformed_problem():
 
 
 def test_code_reward_reports_infrastructure_failure(monkeypatch, clean_sandbox):
-    monkeypatch.setattr(V, "_HARNESS_SRC", "import sys\nsys.exit(3)\n")  # never reports "started"
+    monkeypatch.setattr(S, "_HARNESS_SRC", "import sys\nsys.exit(3)\n")  # never reports "started"
     assert V.code_verdict("    return a + b\n", ADD).status == "error"
     assert V.code_reward("    return a + b\n", ADD) is None
 
     def no_file(*args, **kwargs):
         raise OSError("out of memory")
 
-    monkeypatch.setattr(V, "_anonymous_file", no_file)
+    monkeypatch.setattr(S, "_anonymous_file", no_file)
     assert V.code_reward("    return a + b\n", ADD) is None
 
 
@@ -921,7 +922,7 @@ def test_attack_cannot_signal_host_processes(mode, clean_sandbox):
 
 def test_fallback_limits_are_printed_once(monkeypatch, caplog):
     monkeypatch.setenv("VERIFIERS_SANDBOX", "fallback")
-    monkeypatch.setattr(V, "_sandbox_mode", None)
+    monkeypatch.setattr(S, "_sandbox_mode", None)
     with caplog.at_level("WARNING", logger=V.__name__):
         assert V.sandbox_mode() == "fallback"
         assert V.sandbox_mode() == "fallback"
@@ -929,7 +930,7 @@ def test_fallback_limits_are_printed_once(monkeypatch, caplog):
     assert len(warnings) == 1, warnings
     for words in ("kill", "loopback", "write"):
         assert words in warnings[0], warnings[0]
-    monkeypatch.setattr(V, "_sandbox_mode", None)
+    monkeypatch.setattr(S, "_sandbox_mode", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1007,7 +1008,7 @@ def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
     os.mkdir(decoy)
     try:
         # only an interpreter that lives under /tmp (a CI's fresh venv) is bound back there, read-only
-        expected = sorted({p.split("/")[2] for p in V._sandbox_view()["tmp_bind_back"]})
+        expected = sorted({p.split("/")[2] for p in S._sandbox_view()["tmp_bind_back"]})
         program = (
             "import os\n"
             f"TMP = sorted(os.listdir('/tmp')) != {expected!r}\n"
