@@ -13,6 +13,7 @@ write somewhere cannot change what later runs execute.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -60,6 +61,9 @@ SANDBOX_TMP_BYTES = 64 << 20  # the run's /tmp (its only writable folder): a tmp
 SANDBOX_TMP_INODES = 4096  # ...and this many files and folders
 SANDBOX_OPEN_FILES = 256
 SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may return to the judge
+SANDBOX_CPUS = 1.0  # the CPU quota of a whole run, in cores (cpu.cfs_quota_us on v1, cpu.max on v2)
+SANDBOX_CPU_PERIOD_US = 100_000
+ALLOW_NO_CGROUP_ENV = "VERIFIERS_ALLOW_NO_CGROUP"  # =1: run without a per-run cgroup (the weaker, opt-in mode)
 SANDBOX_UID = 65534  # the host uid (nobody) a program runs as when the trainer is root
 _SANDBOX_TMP_PREFIX = "verifiers-sbx-"  # the fallback's host folders
 _SANDBOX_CGROUP_PREFIX = "verifiers-sbx-"  # the runs' cgroups: <prefix><trainer pid>-<run id>
@@ -108,9 +112,14 @@ _sandbox_slots = threading.BoundedSemaphore(num_cores())  # at most one sandbox 
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with free slots (the inherited ones are the parent's)."""
-    global _sandbox_slots
+    """A forked child starts with free slots and an empty cgroup pool (the inherited ones are the parent's: two
+    runs must never share a cgroup); its own slots are named after its pid."""
+    global _sandbox_slots, _cgroup_pool, _cgroup_slots_made, _cgroup_pool_ready
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
+    for _, fds in _cgroup_pool:
+        for fd in fds:
+            os.close(fd)
+    _cgroup_pool, _cgroup_slots_made, _cgroup_pool_ready = [], 0, threading.Condition(threading.Lock())
 
 
 _fork_hook_registered = False
@@ -163,7 +172,7 @@ def _detect_sandbox_mode() -> str:
         return "fallback"
     for mode in NAMESPACE_MODES:
         try:
-            verdict = _run_sandbox_now(_PROBE_JOB, 30.0, mode)
+            verdict = _run_sandbox_now(_PROBE_JOB, 30.0, mode, probe=True)
         except Exception:  # noqa: BLE001 - a mode that cannot run is not chosen
             log.debug("sandbox probe failed in mode %s", mode, exc_info=True)
             continue
@@ -267,7 +276,7 @@ def _cgroup_folders() -> dict[str, str]:
             if len(fields) < 5 or len(right) < 3:
                 continue
             if right[0] == "cgroup":
-                for controller in set(right[2].split(",")) & {"memory", "pids"}:
+                for controller in set(right[2].split(",")) & {"memory", "pids", "cpu"}:
                     mounts.setdefault(controller, (fields[3], fields[4]))
             elif right[0] == "cgroup2":
                 mounts.setdefault("unified", (fields[3], fields[4]))
@@ -275,7 +284,7 @@ def _cgroup_folders() -> dict[str, str]:
     with open("/proc/self/cgroup") as f:
         for line in f:
             number, controllers, path = line.rstrip("\n").split(":", 2)
-            for name in ["unified"] if number == "0" else set(controllers.split(",")) & {"memory", "pids"}:
+            for name in ["unified"] if number == "0" else set(controllers.split(",")) & {"memory", "pids", "cpu"}:
                 if name in mounts and _inside(path, mounts[name][0]):
                     root, mountpoint = mounts[name]
                     folders[name] = os.path.join(mountpoint, os.path.relpath(path, root)).rstrip("/.") or "/"
@@ -294,23 +303,27 @@ def _cgroup_parents() -> list[tuple[str, list[tuple[str, str, bool]]]]:
             return _cgroup_parents_cache
         parents: list[tuple[str, list[tuple[str, str, bool]]]] = []
         memory, processes = str(SANDBOX_RUN_MEMORY_BYTES), str(SANDBOX_PROCESSES)
+        cpu_quota = str(int(SANDBOX_CPUS * SANDBOX_CPU_PERIOD_US))
         try:
             folders = _cgroup_folders()
             v2 = os.environ.get("VERIFIERS_CGROUP") or folders.get("unified")
             if v2 and os.access(v2, os.W_OK) and os.path.isfile(os.path.join(v2, "cgroup.subtree_control")):
                 with open(os.path.join(v2, "cgroup.subtree_control")) as f:
                     enabled = f.read().split()
-                if "memory" in enabled and "pids" in enabled:
-                    parents = [
-                        (v2, [("memory.max", memory, True), ("memory.swap.max", "0", False), ("pids.max", processes, True)])
-                    ]
-            if not parents and all(os.access(folders.get(c, ""), os.W_OK) for c in ("memory", "pids")):
+                if "memory" in enabled and "pids" in enabled and "cpu" in enabled:
+                    limits = [("memory.max", memory, True), ("memory.swap.max", "0", False), ("pids.max", processes, True)]
+                    parents = [(v2, [*limits, ("cpu.max", f"{cpu_quota} {SANDBOX_CPU_PERIOD_US}", True)])]
+            if not parents and all(os.access(folders.get(c, ""), os.W_OK) for c in ("memory", "pids", "cpu")):
                 parents = [
                     (
                         folders["memory"],
                         [("memory.limit_in_bytes", memory, True), ("memory.memsw.limit_in_bytes", memory, False)],
                     ),
                     (folders["pids"], [("pids.max", processes, True)]),
+                    (
+                        folders["cpu"],
+                        [("cpu.cfs_period_us", str(SANDBOX_CPU_PERIOD_US), True), ("cpu.cfs_quota_us", cpu_quota, True)],
+                    ),
                 ]
         except (OSError, ValueError) as exc:
             log.debug("code sandbox: no cgroups (%s)", exc)
@@ -340,42 +353,147 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _make_run_cgroups(run_id: str) -> tuple[list[str], list[int]]:
-    """This run's cgroups with their limits, and an open `cgroup.procs` of each. Nothing (and a
-    warning, once) if one cannot be made."""
-    global _cgroup_warned
+class CgroupsUnavailable(RuntimeError):
+    """A run's memory, pids and CPU limits cannot be applied (no cgroups here, or the pool cannot be had)."""
+
+
+_cgroup_pool: list[tuple[list[str], list[int]]] = []  # free slots: (folders, open cgroup.procs of each)
+_cgroup_slots_made = 0
+_cgroup_pool_ready = threading.Condition(threading.Lock())  # its own lock: _cgroup_parents holds _cgroup_lock
+_cgroup_exit_hook = False
+
+
+def allow_no_cgroup() -> bool:
+    """The user's explicit opt-in to the weaker mode: runs without a cgroup (per-process limits only)."""
+    return os.environ.get(ALLOW_NO_CGROUP_ENV, "").lower() in ("1", "true", "yes")
+
+
+def _make_cgroup_slot(index: int) -> tuple[list[str], list[int]]:
     made, fds = [], []
     try:
         for parent, limits in _cgroup_parents():
-            path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{os.getpid()}-{run_id}")
-            os.mkdir(path)
+            path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{os.getpid()}-pool{index}")
+            if not os.path.isdir(path):  # a slot of this process made before a fork of it: reuse the folder
+                os.mkdir(path)
             made.append(path)
             for name, value, required in limits:  # memory.limit_in_bytes before memsw, which must be >= it
                 if required or os.path.exists(os.path.join(path, name)):
                     with open(os.path.join(path, name), "w") as f:
                         f.write(value)
             fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
-    except OSError as exc:
-        if not _cgroup_warned:
-            _cgroup_warned = True
-            log.warning("code sandbox: a run's cgroup could not be made (%s); per-process limits only", exc)
+    except OSError:
         for fd in fds:
             os.close(fd)
         for path in made:
             _remove_cgroup(path)
-        return [], []
+        raise
     return made, fds
 
 
+def _borrow_cgroups(wait_s: float = 30.0) -> tuple[list[str], list[int]]:
+    """A free slot of the bounded pool of per-run cgroups (memory, pids, CPU; at most one slot per core and
+    one for the probe), made at first need and reused: a run never makes a cgroup of its own, so the dying
+    cgroups that runs leave behind cannot pile up until the kernel refuses a new one. CgroupsUnavailable if
+    this machine has none or no slot can be had within `wait_s` (fail closed: the caller does not run)."""
+    global _cgroup_slots_made, _cgroup_exit_hook
+    if not _cgroup_parents():
+        raise CgroupsUnavailable("no cgroup hierarchy with memory, pids and cpu that this process may use")
+    deadline = time.monotonic() + wait_s
+    with _cgroup_pool_ready:
+        while True:
+            if _cgroup_pool:
+                return _cgroup_pool.pop()
+            if _cgroup_slots_made < num_cores() + 1:
+                if not _cgroup_exit_hook:
+                    _cgroup_exit_hook = True
+                    atexit.register(_close_cgroup_pool)
+                try:
+                    slot = _make_cgroup_slot(_cgroup_slots_made)
+                except OSError as exc:
+                    if _cgroup_slots_made == 0:
+                        raise CgroupsUnavailable(f"a run's cgroup could not be made ({exc})") from exc
+                    log.warning("code sandbox: a cgroup slot could not be made (%s); runs wait for a free one", exc)
+                    _cgroup_slots_made = num_cores() + 1  # no more tries: the slots made so far serve
+                else:
+                    _cgroup_slots_made += 1
+                    return slot
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CgroupsUnavailable(f"no cgroup slot free within {wait_s:.0f} s")
+            _cgroup_pool_ready.wait(left)
+
+
+def _return_cgroups(slot: tuple[list[str], list[int]]) -> None:
+    """Empty the slot (kill what is left in it, wait until its processes are gone) and put it back; a slot that
+    does not empty within 1 s is dropped (removed where it can be) and never reused."""
+    folders, fds = slot
+    if all(_empty_cgroup(path) for path in folders):
+        with _cgroup_pool_ready:
+            _cgroup_pool.append(slot)
+            _cgroup_pool_ready.notify()
+        return
+    for fd in fds:
+        os.close(fd)
+    for path in folders:
+        _remove_cgroup(path)
+    with _cgroup_pool_ready:
+        global _cgroup_slots_made
+        _cgroup_slots_made -= 1  # a fresh slot may take its place
+        _cgroup_pool_ready.notify()
+
+
+def _empty_cgroup(path: str, wait_s: float = 1.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = f.read().split()
+        except OSError:
+            return False
+        if not pids:  # and no task still counted: a killed run's exiting tasks hold pids.current until released
+            try:
+                with open(os.path.join(path, "pids.current")) as f:
+                    if f.read().strip() == "0":
+                        return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                return False
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+
+
+def _close_cgroup_pool() -> None:
+    """Remove the pool's cgroups (at exit, and by tests)."""
+    global _cgroup_slots_made
+    with _cgroup_pool_ready:
+        slots = _cgroup_pool[:]
+        _cgroup_pool.clear()
+        _cgroup_slots_made -= len(slots)
+    for folders, fds in slots:
+        for fd in fds:
+            os.close(fd)
+        for path in folders:
+            _remove_cgroup(path)
+
+
+def preflight() -> None:
+    """Check, before anything slow, that runs can have their limits: raise CgroupsUnavailable with one line that
+    says what to do, unless the user opted in to per-process limits only (ALLOW_NO_CGROUP_ENV)."""
+    if allow_no_cgroup() or _cgroup_slots_made > 0:
+        return
+    _return_cgroups(_borrow_cgroups(wait_s=0.0))
+
+
 def _join_run_cgroups(procs_fds: list[int], pid: int) -> None:
-    global _cgroup_warned
-    try:
-        for fd in procs_fds:
-            os.write(fd, str(pid).encode())
-    except OSError as exc:
-        if not _cgroup_warned:
-            _cgroup_warned = True
-            log.warning("code sandbox: a run could not join its cgroup (%s); per-process limits only", exc)
+    for fd in procs_fds:
+        os.write(fd, str(pid).encode())  # OSError: the run does not go on (fail closed)
 
 
 def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
@@ -562,22 +680,68 @@ def _sandbox_parent() -> str | None:
     return path
 
 
-def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
+_trainer_undumpable = False
+
+
+def _make_trainer_undumpable() -> None:
+    """Before the fallback's first program: the trainer is not dumpable (PR_SET_DUMPABLE 0), so a program of the
+    same uid (the fallback has no namespaces) cannot read or write its memory (/proc/<trainer>/mem, ptrace,
+    process_vm_readv) nor open its pipes through /proc/<trainer>/fd: the kernel then requires CAP_SYS_PTRACE,
+    which the program has not. The tokens of every run live only in the trainer's and the judge's memory, both
+    undumpable. Cost: no core dump of the trainer, and a debugger of the same user cannot attach to it."""
+    global _trainer_undumpable
+    if _trainer_undumpable:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the fallback does not run")
+    _trainer_undumpable = True
+
+
+def _warn_no_cgroup(exc: Exception, refused: bool) -> None:
+    """Once per process: why runs have no cgroup, and whether they are refused (the default) or run with
+    per-process limits only (the user set ALLOW_NO_CGROUP_ENV)."""
+    global _cgroup_warned
+    if _cgroup_warned:
+        return
+    _cgroup_warned = True
+    if refused:
+        log.error(
+            "code sandbox: %s; runs are refused (reward None) because their memory, process and CPU limits "
+            "cannot be applied; set %s=1 to run them with per-process limits only (docs/verifiers.md)",
+            exc,
+            ALLOW_NO_CGROUP_ENV,
+        )
+    else:
+        log.warning("code sandbox: %s; %s=1: runs have per-process limits only", exc, ALLOW_NO_CGROUP_ENV)
+
+
+def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) -> SandboxResult:
     start = time.monotonic()
     run_id, start_token, pass_token = (secrets.token_hex(16) for _ in range(3))
-    folder, cgroups, outputs, handles = None, [], [], []
+    folder, slot, outputs, handles = None, None, [], []
     read_fd = write_fd = -1
     proc, finished, error = None, False, ""
     try:
         try:
             if mode == "fallback":  # no mount namespace: the program's folder is on the host disk
+                _make_trainer_undumpable()
                 folder = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=_sandbox_parent())
                 work = os.path.join(folder, "work")
                 os.mkdir(work, 0o700)
             else:  # the run's own tmpfs, which dies with its mount namespace
                 work = "/tmp"
-            cgroups, cgroup_fds = _make_run_cgroups(run_id)
-            handles += cgroup_fds
+            try:
+                slot = _borrow_cgroups()
+            except CgroupsUnavailable as exc:
+                if not probe and not allow_no_cgroup():  # the probe runs our own program: it may run without
+                    _warn_no_cgroup(exc, refused=True)
+                    return SandboxResult("error", mode, time.monotonic() - start, f"code sandbox: {exc}")
+                if not probe:
+                    _warn_no_cgroup(exc, refused=False)
+            cgroup_fds = slot[1] if slot is not None else []
             read_fd, write_fd = os.pipe()
             go_read, go_write = os.pipe()
             handles += [go_read, go_write]
@@ -652,8 +816,8 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str) -> SandboxResult:
         for fd in (read_fd, *outputs):
             if fd >= 0:
                 os.close(fd)
-        for path in cgroups:
-            _remove_cgroup(path)
+        if slot is not None:
+            _return_cgroups(slot)
         if folder is not None:
             _remove_folder(folder)
     elapsed = time.monotonic() - start

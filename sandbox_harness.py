@@ -148,7 +148,14 @@ def build_view(job):
         f"mode=0700,size={job['tmp_bytes']},nr_inodes={job['tmp_inodes']},uid={uid},gid={uid}",
     )
     for path in view["tmp_bind_back"]:  # an interpreter or venv under /tmp (a CI's fresh venv): bound back read-only,
-        os.makedirs(path, exist_ok=True)  # entry by entry into a fresh 0755 folder (mktemp's 0700 would stop the uid)
+        # entry by entry into fresh 0755 folders (mktemp's 0700 would stop the uid), built on a tmpfs of their own at
+        # /tmp/<first folder>: a mount point, which the program (owner of /tmp) can neither rename nor remove, and
+        # read-only once the view is done, so nothing on the judge's import path is the program's (check_import_path)
+        top = "/tmp/" + path[len("/tmp/") :].split("/")[0]
+        if not os.path.ismount(top):
+            os.makedirs(top, exist_ok=True)
+            mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096,uid=0,gid=0")
+        os.makedirs(path, exist_ok=True)
         source = f"/proc/self/fd/{keep[path]}"
         for name in os.listdir(source):
             entry, target = os.path.join(source, name), os.path.join(path, name)
@@ -242,67 +249,113 @@ def set_limits(job):
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu"], job["cpu"] + 1))
 
 
+# System calls a program may make (x86_64), an allow-list: what CPython, its standard library and common
+# packages use. Everything else is refused by omission, with EPERM (the kernel's own ENOSYS would hide the
+# refusal; the new calls glibc uses, with a fallback, are allowed).
+# Left out on purpose, among others: ptrace (101), syslog (103), uselib (134), vhangup
+# (153), modify_ldt (154), pivot_root (155), _sysctl (156), adjtimex (159), chroot (161), acct (163),
+# settimeofday (164), mount/umount2 (165, 166), swapon/swapoff (167, 168), reboot (169), sethostname/
+# setdomainname (170, 171), iopl/ioperm (172, 173), the module calls (174-178, 313), quotactl (179), the
+# unimplemented 180-185, lookup_dcookie (212), clock_settime (227), vserver (236), kexec (246, 320), the keyring
+# (248-250), unshare (272), perf_event_open (298), fanotify_init (300), name_to_handle_at/open_by_handle_at
+# (303, 304), clock_adjtime (305), setns (308), process_vm_readv/writev (310, 311), kcmp (312), bpf (321),
+# userfaultfd (323); from 335 on all but the few listed: io_uring (425-427), the new mount API (428-433, 442),
+# pidfd_getfd (438), process_madvise (440), landlock (444-446), memfd_secret (447), process_mrelease (448), ...
+OMITTED_BELOW_335 = {
+    101,
+    103,
+    134,
+    153,
+    154,
+    155,
+    156,
+    159,
+    161,
+    163,
+    164,
+    165,
+    166,
+    167,
+    168,
+    169,
+    170,
+    171,
+    172,
+    173,
+    174,
+    175,
+    176,
+    177,
+    178,
+    179,
+    180,
+    181,
+    182,
+    183,
+    184,
+    185,
+    212,
+    227,
+    236,
+    246,
+    248,
+    249,
+    250,
+    272,
+    298,
+    300,
+    303,
+    304,
+    305,
+    308,
+    310,
+    311,
+    312,
+    313,
+    320,
+    321,
+    323,
+}
+ALLOWED_FROM_335 = {424, 434, 436, 437, 439, 441, 449, 452}  # pidfd_send_signal, pidfd_open, close_range, openat2,
+# faccessat2, epoll_pwait2, futex_waitv, fchmodat2
+SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (the run's network namespace is empty); AF_UNIX only as socketpair
+ALLOWED_SYSCALLS = sorted((set(range(335)) - OMITTED_BELOW_335) | ALLOWED_FROM_335)
+
+
 def seccomp_program():
-    """A classic BPF filter for x86_64 (seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i).
-    Refused with EPERM: the mount API, unshare, setns, the kernel keyring, ptrace, bpf,
-    userfaultfd, perf_event_open, io_uring, clone with a CLONE_NEW* flag, socket(AF_UNIX) (no path
-    to a host service's socket) and socketpair(AF_UNIX) other than SOCK_STREAM. clone3 answers
-    ENOSYS (its flags live in memory BPF cannot read; glibc falls back to clone). Any other
-    architecture: the process is killed (an x32-ABI call: EPERM)."""
+    """A classic BPF filter for x86_64 (seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i): default deny.
+    Allowed: the system calls of ALLOWED_SYSCALLS, with these checks of their arguments: socket only for the
+    families of SOCKET_FAMILIES (no AF_UNIX path to a host service, no vsock, netlink, packet, ...: EPERM),
+    socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag; clone3 answers ENOSYS (its flags live
+    in memory BPF cannot read; glibc falls back to clone). Any other architecture: the process is killed (an
+    x32-ABI call: EPERM)."""
     import struct
 
-    ld, jeq, jset, jge, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
+    ld, jeq, jset, jge, jgt, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x25, 0x06, 0x54
     allow, errno_, kill = 0x7FFF0000, 0x00050000, 0x80000000
     eperm, enosys = errno_ | 1, errno_ | 38
 
     def op(code, jt, jf, k):
         return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
-    p = [
-        op(ld, 0, 0, 4),
-        op(jeq, 1, 0, 0xC000003E),
-        op(ret, 0, 0, kill),  # arch == AUDIT_ARCH_X86_64
-        op(ld, 0, 0, 0),
-        op(jge, 0, 1, 0x40000000),
-        op(ret, 0, 0, eperm),
-    ]  # the x32 ABI
-    denied = [
-        165,
-        166,
-        272,
-        308,
-        428,
-        429,
-        430,
-        431,
-        432,
-        433,
-        442,  # mount family, unshare, setns
-        248,
-        249,
-        250,
-        101,
-        321,
-        323,
-        298,
-        425,
-        426,
-        427,
-    ]  # keys, ptrace, bpf, uffd, perf, io_uring
-    for nr in denied:
-        p += [op(jeq, 0, 1, nr), op(ret, 0, 0, eperm)]
+    p = [op(ld, 0, 0, 4), op(jeq, 1, 0, 0xC000003E), op(ret, 0, 0, kill)]  # arch == AUDIT_ARCH_X86_64
+    p += [op(ld, 0, 0, 0), op(jge, 0, 1, 0x40000000), op(ret, 0, 0, eperm)]  # the x32 ABI
     p += [op(jeq, 0, 1, 435), op(ret, 0, 0, enosys)]  # clone3
-    p += [op(jeq, 0, 3, 41), op(ld, 0, 0, 16), op(jeq, 0, 10, 1), op(ret, 0, 0, eperm)]  # socket(AF_UNIX, ...)
-    p += [
-        op(jeq, 0, 5, 53),
-        op(ld, 0, 0, 24),
-        op(and_, 0, 0, 0xF),
-        op(jeq, 1, 0, 1),  # socketpair: type
-        op(ret, 0, 0, eperm),
-        op(ret, 0, 0, allow),
-    ]
-    p += [op(jeq, 0, 2, 56), op(ld, 0, 0, 16), op(jset, 1, 0, 0x7E020000)]  # clone(flags & CLONE_NEW*)
-    p += [op(ret, 0, 0, allow), op(ret, 0, 0, eperm)]
+    families = [op(jeq, len(SOCKET_FAMILIES) - i, 0, family) for i, family in enumerate(SOCKET_FAMILIES)]
+    p += [op(jeq, 0, len(families) + 3, 41), op(ld, 0, 0, 16), *families, op(ret, 0, 0, eperm), op(ret, 0, 0, allow)]
+    p += [op(jeq, 0, 8, 53), op(ld, 0, 0, 16), op(jeq, 1, 0, 1), op(ret, 0, 0, eperm)]  # socketpair: AF_UNIX...
+    p += [op(ld, 0, 0, 24), op(and_, 0, 0, 0xF), op(jeq, 1, 0, 1), op(ret, 0, 0, eperm), op(ret, 0, 0, allow)]
+    p += [op(jeq, 0, 4, 56), op(ld, 0, 0, 16), op(jset, 1, 0, 0x7E020000), op(ret, 0, 0, allow)]  # clone
+    p += [op(ret, 0, 0, eperm)]
+    intervals = []  # the allowed numbers as runs [lo, hi]
+    for nr in ALLOWED_SYSCALLS:
+        if intervals and intervals[-1][1] == nr - 1:
+            intervals[-1][1] = nr
+        else:
+            intervals.append([nr, nr])
+    for lo, hi in intervals:  # nr >= lo and not nr > hi: allow; else the next run
+        p += [op(jge, 0, 2, lo), op(jgt, 1, 0, hi), op(ret, 0, 0, allow)]
+    p += [op(ret, 0, 0, eperm)]  # everything else (the kernel's own ENOSYS would hide the filter's refusal)
     return b"".join(p)
 
 
@@ -520,6 +573,62 @@ def function_under_test(tests, namespace):
     return next((n for n in calls if n not in stored), None)
 
 
+FAILURES = "__verifiers_failures__"  # the judge's list of failed checks, a name of the tests' namespace
+
+
+class NoFeedback:
+    """Rewrites test code so that no failure stops it (no feedback to the program: the calls the judge makes do
+    not depend on whether an earlier check passed). Every `assert` becomes `try: assert ... except Exception:
+    <record>`, also when evaluating it raised (the program's call failed, its value broke the test's own code);
+    every statement of the test's body (HumanEval: the body of `check`, and the loops and branches in it; MBPP:
+    each line) is wrapped the same way. Left as they are: the bodies of `try` (a test may expect an exception)
+    and of `while` (a statement that fails each time would loop forever)."""
+
+    def __init__(self, wrap_top_level):
+        self.wrap_top_level = wrap_top_level
+
+    def wrapped(self, node):
+        import ast
+
+        record = ast.parse(f"{FAILURES}.append({getattr(node, 'lineno', 0)})").body[0]
+        handler = ast.ExceptHandler(type=ast.Name("Exception", ast.Load()), name=None, body=[record])
+        return ast.Try(body=[node], handlers=[handler], orelse=[], finalbody=[])
+
+    def visit(self, node, guarded):
+        """Rewrite the statement lists below `node`; `guarded`: each of its statements is wrapped."""
+        import ast
+
+        definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        kept = (*definitions, ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal, ast.Pass)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "check":
+            guarded = True
+        elif isinstance(node, (*definitions, ast.Try, ast.While, getattr(ast, "TryStar", ast.Try))):
+            guarded = False
+        for name in ("body", "orelse", "finalbody"):
+            statements = getattr(node, name, None)
+            if not isinstance(statements, list) or not statements or not isinstance(statements[0], ast.stmt):
+                continue
+            for child in statements:
+                self.visit(child, guarded)
+            setattr(
+                node,
+                name,
+                [
+                    self.wrapped(c) if isinstance(c, ast.Assert) or (guarded and not isinstance(c, kept)) else c
+                    for c in statements
+                ],
+            )
+        for handler in getattr(node, "handlers", []):
+            self.visit(handler, False)
+
+    def compile(self, source, filename):
+        import ast
+
+        tree = ast.parse(source)
+        self.visit(tree, self.wrap_top_level)
+        return compile(ast.fix_missing_locations(tree), filename, "exec")
+
+
 def judge_calls(job, secret_fd, status_fd):
     to_runner_r, to_runner_w = os.pipe()
     from_runner_r, from_runner_w = os.pipe()
@@ -541,7 +650,8 @@ def judge_calls(job, secret_fd, status_fd):
     if type(loaded) is not dict or loaded.get("loaded") is not True:
         return None
     functions = set(loaded["functions"])
-    namespace = {"__name__": "__test__", "__builtins__": builtins}
+    failures = []
+    namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
     if job["mode"] == "humaneval":
         entry = job["entry_point"]
         if entry not in functions:
@@ -551,12 +661,15 @@ def judge_calls(job, secret_fd, status_fd):
                 exec(compile(source, "prompt.py", "exec"), namespace)
                 break
             except Exception:
-                namespace = {"__name__": "__test__", "__builtins__": builtins}
+                namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
         loads, stored, _, bases = names_in_order([secret["test"]])
         real_modules((set(loads) - stored) & bases, namespace)
         candidate = namespace[entry] = proxy(entry, to_runner_w, from_runner_r, limit)
-        exec(compile(secret["test"], "test.py", "exec"), namespace)
-        namespace["check"](candidate)
+        exec(NoFeedback(wrap_top_level=False).compile(secret["test"], "test.py"), namespace)
+        try:
+            namespace["check"](candidate)
+        except Exception:
+            failures.append("check")
     else:
         exec(compile(secret["setup"], "setup.py", "exec"), namespace)
         target = function_under_test(secret["tests"], namespace)
@@ -565,10 +678,13 @@ def judge_calls(job, secret_fd, status_fd):
                 return None
             namespace[target] = proxy(target, to_runner_w, from_runner_r, limit)  # shadows a builtin too
         for source in secret["tests"]:
-            exec(compile(source, "test.py", "exec"), namespace)
+            try:
+                exec(NoFeedback(wrap_top_level=True).compile(source, "test.py"), namespace)
+            except Exception:
+                failures.append("test")
     os.kill(pid, 9)
     os.waitpid(pid, 0)
-    return secret["pass_token"]
+    return None if failures else secret["pass_token"]  # only now, after every case
 
 
 STDIO_BOOT = (
@@ -591,6 +707,7 @@ def judge_stdio(job, secret_fd, status_fd):
     with open(os.path.join(job["work"], "solution.py"), "w", encoding="utf-8") as f:
         f.write(job["program"])
     deadline = time.monotonic() + job["timeout"]
+    failed = False  # every case runs whatever the earlier ones did: the program learns no verdict
     for stdin_text, expected in zip(secret["inputs"], secret["outputs"]):
         out = os.memfd_create("case-output") if hasattr(os, "memfd_create") else None
         out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
@@ -605,16 +722,42 @@ def judge_stdio(job, secret_fd, status_fd):
             )
             try:
                 proc.communicate(stdin_text.encode(), timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # the run's deadline: what is left of it is the program's choice
                 proc.kill()
                 proc.wait()
                 return None
-            if proc.returncode != 0:
-                return None
             out.seek(0)
-            if out.read(job["fsize"] + 1).split() != expected.encode().split():
-                return None
-    return secret["pass_token"]
+            if proc.returncode != 0 or out.read(job["fsize"] + 1).split() != expected.encode().split():
+                failed = True
+    return None if failed else secret["pass_token"]
+
+
+def check_import_path(job):
+    """Refuse to start (before the runner exists) unless nothing the judge imports can be the program's: every
+    folder on the judge's sys.path is on a read-only mount and (root trainer) not owned by the program's uid (a
+    non-root trainer's program is uid 0 of the namespace, owner of the trainer's files: there the read-only
+    mount is what holds), and on the way
+    to it, every folder the program could change (writable mount, and its uid owns it or anyone may write it)
+    leads on only through a mount point (which cannot be renamed or removed)."""
+    import stat
+
+    program_uid = job["uid"] if job["uid"] is not None else 0
+    for entry in dict.fromkeys(p for p in sys.path if p):
+        if not os.path.exists(entry):
+            continue
+        real = os.path.realpath(entry)
+        info = os.stat(real)
+        if not os.statvfs(real).f_flag & os.ST_RDONLY or (job["uid"] is not None and info.st_uid == program_uid):
+            raise RuntimeError(f"judge import path {entry} is not read-only or is the program's")
+        parts = real.strip("/").split("/")
+        for i in range(len(parts)):
+            folder, child = "/" + "/".join(parts[:i]), "/" + "/".join(parts[: i + 1])
+            f = os.stat(folder)
+            writable = (
+                f.st_uid == program_uid or f.st_mode & stat.S_IWOTH or (f.st_gid == program_uid and f.st_mode & stat.S_IWGRP)
+            )
+            if writable and not os.statvfs(folder).f_flag & os.ST_RDONLY and not os.path.ismount(child):
+                raise RuntimeError(f"judge import path {entry}: {child} can be replaced by the program")
 
 
 def main():
@@ -634,6 +777,8 @@ def main():
         resource.setrlimit(getattr(resource, name), (value, value))
     sys.path.extend(job["site"])
     os.chdir("/")
+    if job["sandbox"] != "fallback":
+        check_import_path(job)
     try:  # the pass token, returned by the judge only after the last test passed
         passed = (judge_stdio if job["mode"] == "stdio" else judge_calls)(job, secret_fd, status_fd)
     except BaseException:

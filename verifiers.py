@@ -167,6 +167,8 @@ def load_task(
         task.instruction = INSTRUCTIONS[reward]
     if task.kind in ("math", "arith") and name != "arith":
         check_golds(task, answer_format)
+    if task.kind == "code":
+        check_code_sandbox()
     return task
 
 
@@ -1184,6 +1186,19 @@ def math_rewards_batch(
 # ---------------------------------------------------------------------------------------------
 # Code: the job of a (completion, problem) pair; sandbox.run runs it (sandbox.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def check_code_sandbox() -> None:
+    """Before anything slow: UserError (one line) if code runs could not have their memory, process and CPU
+    limits here and the user did not opt in to per-process limits only."""
+    try:
+        sandbox.preflight()
+    except sandbox.CgroupsUnavailable as exc:
+        raise UserError(
+            f"code sandbox: {exc}: runs would have no memory, process or CPU limit of their own; delegate a cgroup v2 "
+            f"subtree (VERIFIERS_CGROUP) or run as root, or set {sandbox.ALLOW_NO_CGROUP_ENV}=1 to accept "
+            "per-process limits only (docs/verifiers.md)"
+        ) from None
 
 
 def _defines(code: str, name: str) -> re.Match | None:

@@ -78,13 +78,20 @@ def _sandbox_dirs() -> set[str]:
 
 
 def _sandbox_cgroups() -> set[str]:
-    """The runs' cgroups (one per run and hierarchy, removed by the trainer after the run)."""
-    return {
-        os.path.join(parent, name)
-        for parent, _ in S._cgroup_parents()
-        for name in os.listdir(parent)
-        if name.startswith(S._SANDBOX_CGROUP_PREFIX)
-    }
+    """The runs' cgroups with something of a run in them: a cgroup of the bounded pool (reused from run to run)
+    counts only while a process is in it; any other cgroup of the prefix counts."""
+    found = set()
+    for parent, _ in S._cgroup_parents():
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if not name.startswith(S._SANDBOX_CGROUP_PREFIX):
+                continue
+            if "-pool" in name:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    if not f.read().split():
+                        continue
+            found.add(path)
+    return found
 
 
 def _ipc_objects() -> set[str]:
