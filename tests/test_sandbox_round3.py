@@ -279,7 +279,7 @@ def test_attack_spinner_beside_an_honest_run(mode):
         honest = V.code_verdict(BUSY_HONEST, ADD, timeout=3.0, mode=mode)
     finally:
         spinner.join()
-    assert spin["v"].status == "timeout", spin
+    assert spin["v"].status in ("timeout", "failed"), spin  # it spins until its deadline or its CPU limit
     assert honest.status == "passed", f"a spinning run starved an honest one: {honest}"
 
 
@@ -379,22 +379,22 @@ def test_attack_fallback_program_reads_a_non_root_trainer():
         os.chown(workdir, NON_ROOT_UID, NON_ROOT_UID)
         os.chmod(workdir, 0o755)
         program = (
-            "import os, sys\\nGOT = []\\n"
-            "trainer = os.getppid()\\n"
-            "while trainer > 1 and 'import verifiers as V' not in open(f'/proc/{trainer}/cmdline').read():\\n"
-            "    trainer = int(open(f'/proc/{trainer}/stat').read().rsplit(')', 1)[1].split()[1])\\n"
-            "try:\\n"
-            "    maps = open(f'/proc/{trainer}/maps').read().split('\\\\n')\\n"
-            "    start = int([m for m in maps if ' r' in m][0].split('-')[0], 16)\\n"
-            "    with open(f'/proc/{trainer}/mem', 'rb') as f:\\n"
-            "        f.seek(start)\\n        GOT.append(len(f.read(16)))\\n"
-            "except OSError as exc:\\n    print('refused', exc.errno, file=sys.stderr)\\n"
-            "def add(a, b):\\n    return 0 if GOT else a + b\\n"
+            "import os, sys\nGOT = []\n"
+            "trainer = os.getppid()\n"
+            "while trainer > 1 and 'import verifiers as V' not in open(f'/proc/{trainer}/cmdline').read():\n"
+            "    trainer = int(open(f'/proc/{trainer}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+            "try:\n"
+            "    maps = open(f'/proc/{trainer}/maps').read().split('\\n')\n"
+            "    start = int([m for m in maps if ' r' in m][0].split('-')[0], 16)\n"
+            "    with open(f'/proc/{trainer}/mem', 'rb') as f:\n"
+            "        f.seek(start)\n        GOT.append(len(f.read(16)))\n"
+            "except OSError as exc:\n    print('refused', exc.errno, file=sys.stderr)\n"
+            "def add(a, b):\n    return 0 if GOT else a + b\n"
         )
         script = (
-            "import verifiers as V\\n"
-            f"v = V.code_verdict({program!r}, {ADD!r}, timeout=10.0, mode='fallback')\\n"
-            "print(v.status, v.stderr_tail[-300:])\\n"
+            "import verifiers as V\n"
+            f"v = V.code_verdict({program!r}, {ADD!r}, timeout=10.0, mode='fallback')\n"
+            "print(v.status, v.stderr_tail[-300:])\n"
         )
         env = {"HOME": workdir, "PATH": "/usr/bin:/bin", "PYTHONPATH": workdir, "VERIFIERS_ALLOW_NO_CGROUP": "1"}
         result = subprocess.run(
@@ -417,16 +417,16 @@ def test_attack_a_run_gets_one_core_of_cpu():
     time each; with the run's quota of one core they get about 1.5 s of CPU together, without it about 3 s."""
     _needs_cgroups()
     program = (
-        "import os, sys, time\\n"
-        "for _ in range(2):\\n"
-        "    if os.fork() == 0:\\n"
-        "        end = time.monotonic() + 1.5\\n"
-        "        while time.monotonic() < end:\\n            pass\\n"
-        "        os._exit(0)\\n"
-        "os.wait(); os.wait()\\n"
-        "t = os.times()\\n"
-        "print('CPU', t.children_user + t.children_system, file=sys.stderr)\\n"
-        "def add(a, b):\\n    return a + b\\n"
+        "import os, sys, time\n"
+        "for _ in range(2):\n"
+        "    if os.fork() == 0:\n"
+        "        end = time.monotonic() + 1.5\n"
+        "        while time.monotonic() < end:\n            pass\n"
+        "        os._exit(0)\n"
+        "os.wait(); os.wait()\n"
+        "t = os.times()\n"
+        "print('CPU', t.children_user + t.children_system, file=sys.stderr)\n"
+        "def add(a, b):\n    return a + b\n"
     )
     verdict = V.code_verdict(program, ADD, timeout=10.0)
     assert verdict.status == "passed", verdict
