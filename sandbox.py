@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -114,12 +115,13 @@ _sandbox_slots = threading.BoundedSemaphore(num_cores())  # at most one sandbox 
 def _after_fork_in_child() -> None:
     """A forked child starts with free slots and an empty cgroup pool (the inherited ones are the parent's: two
     runs must never share a cgroup); its own slots are named after its pid."""
-    global _sandbox_slots, _cgroup_pool, _cgroup_slots_made, _cgroup_pool_ready
+    global _sandbox_slots, _cgroup_pool, _cgroup_slots_made, _cgroup_slot_names, _cgroup_pool_ready
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
     for _, fds in _cgroup_pool:
         for fd in fds:
             os.close(fd)
     _cgroup_pool, _cgroup_slots_made, _cgroup_pool_ready = [], 0, threading.Condition(threading.Lock())
+    _cgroup_slot_names = itertools.count()
 
 
 _fork_hook_registered = False
@@ -358,7 +360,9 @@ class CgroupsUnavailable(RuntimeError):
 
 
 _cgroup_pool: list[tuple[list[str], list[int]]] = []  # free slots: (folders, open cgroup.procs of each)
-_cgroup_slots_made = 0
+SLOT_EMPTY_WAIT_S = 5.0
+_cgroup_slots_made = 0  # slots alive (in the pool or borrowed): at most num_cores() + 1
+_cgroup_slot_names = itertools.count()  # a slot's name is never reused: a dropped slot's folder may linger
 _cgroup_pool_ready = threading.Condition(threading.Lock())  # its own lock: _cgroup_parents holds _cgroup_lock
 _cgroup_exit_hook = False
 
@@ -373,8 +377,7 @@ def _make_cgroup_slot(index: int) -> tuple[list[str], list[int]]:
     try:
         for parent, limits in _cgroup_parents():
             path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{os.getpid()}-pool{index}")
-            if not os.path.isdir(path):  # a slot of this process made before a fork of it: reuse the folder
-                os.mkdir(path)
+            os.mkdir(path)  # FileExistsError: never reuse a folder that another slot may hold
             made.append(path)
             for name, value, required in limits:  # memory.limit_in_bytes before memsw, which must be >= it
                 if required or os.path.exists(os.path.join(path, name)):
@@ -408,7 +411,7 @@ def _borrow_cgroups(wait_s: float = 30.0) -> tuple[list[str], list[int]]:
                     _cgroup_exit_hook = True
                     atexit.register(_close_cgroup_pool)
                 try:
-                    slot = _make_cgroup_slot(_cgroup_slots_made)
+                    slot = _make_cgroup_slot(next(_cgroup_slot_names))
                 except OSError as exc:
                     if _cgroup_slots_made == 0:
                         raise CgroupsUnavailable(f"a run's cgroup could not be made ({exc})") from exc
@@ -425,13 +428,16 @@ def _borrow_cgroups(wait_s: float = 30.0) -> tuple[list[str], list[int]]:
 
 def _return_cgroups(slot: tuple[list[str], list[int]]) -> None:
     """Empty the slot (kill what is left in it, wait until its processes are gone) and put it back; a slot that
-    does not empty within 1 s is dropped (removed where it can be) and never reused."""
+    does not empty within `SLOT_EMPTY_WAIT_S` is dropped (removed where it can be) and never reused. The pid
+    count of a killed process is released only when it is reaped, and the orphans of a run are reaped by init
+    (about 2 s after 60 processes on the CI's VM), so a run that left processes behind can return late."""
     folders, fds = slot
-    if all(_empty_cgroup(path) for path in folders):
+    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in folders):
         with _cgroup_pool_ready:
             _cgroup_pool.append(slot)
             _cgroup_pool_ready.notify()
         return
+    log.warning("code sandbox: cgroup slot %s did not empty within %.0f s; it is dropped", folders[0], SLOT_EMPTY_WAIT_S)
     for fd in fds:
         os.close(fd)
     for path in folders:

@@ -193,6 +193,25 @@ def test_attack_runs_reuse_a_bounded_pool_of_cgroups(monkeypatch):
     assert made == [], f"runs made cgroups of their own: {made}"
 
 
+def test_a_dropped_slot_never_hands_out_a_cgroup_that_another_run_holds(monkeypatch):
+    """A slot that does not empty in time is dropped and a fresh one takes its place. The fresh one used to be
+    named after the count of live slots, which after a drop is a live slot's name, and it reused that folder:
+    two runs then shared one cgroup, and a spinner's 60 processes filled the honest run's pids limit."""
+    _needs_cgroups()
+    S._close_cgroup_pool()
+    first, second = S._borrow_cgroups(), S._borrow_cgroups()  # slots 0 and 1
+    monkeypatch.setattr(S, "_empty_cgroup", lambda path, wait_s=1.0: False)
+    S._return_cgroups(first)  # slot 0 does not empty: dropped
+    monkeypatch.undo()
+    third = S._borrow_cgroups()  # a fresh slot
+    try:
+        assert not set(third[0]) & set(second[0]), f"two live slots share a cgroup: {third[0]} and {second[0]}"
+    finally:
+        S._return_cgroups(second)
+        S._return_cgroups(third)
+        S._close_cgroup_pool()
+
+
 @pytest.fixture
 def refused_cgroups(monkeypatch):
     """The kernel refuses every new cgroup (as once too many dying ones are left) and the pool is empty."""
