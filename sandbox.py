@@ -53,6 +53,7 @@ SITE_DIRS = [d for d in dict.fromkeys(site.getsitepackages()) if os.path.isdir(d
 # ---------------------------------------------------------------------------------------------
 
 CODE_TIMEOUT_S = 10.0
+CASE_TIMEOUT_S = 5.0  # one call of the program's function (HumanEval, MBPP) or one stdin/stdout case
 MAX_CODE_TIMEOUT_S = 24 * 3600.0  # a longer (or non-finite) timeout is a ValueError
 SANDBOX_MEMORY_BYTES = 1 << 30  # RLIMIT_AS of every sandboxed process
 SANDBOX_RUN_MEMORY_BYTES = 3 << 29  # 1.5 GiB: the memory cgroup of a whole run (its processes and its /tmp)
@@ -761,6 +762,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
                 view=_sandbox_view() if mode != "fallback" else None,
                 site=SITE_DIRS,
                 timeout=timeout,
+                case_timeout=min(timeout, CASE_TIMEOUT_S),
                 cpu=int(math.ceil(timeout)) + 1,
                 memory=SANDBOX_MEMORY_BYTES,
                 processes=SANDBOX_PROCESSES,

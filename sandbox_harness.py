@@ -425,17 +425,37 @@ def decode(obj, depth=0):
     raise ValueError("malformed value")
 
 
-def send(fd, message):
+def wait_for(fd, events, deadline):
+    """Block until `fd` is ready for `events` (select.POLLIN / POLLOUT); TimeoutError at `deadline` (None: never)."""
+    if deadline is None:
+        return
+    import select
+    import time
+
+    poller = select.poll()
+    poller.register(fd, events)
+    while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the case's time limit")
+
+
+def send(fd, message, deadline=None):
+    import select
+
     data = json.dumps(message).encode()
     data = len(data).to_bytes(8, "big") + data
     while data:
-        data = data[os.write(fd, data) :]
+        wait_for(fd, select.POLLOUT, deadline)
+        data = data[os.write(fd, data[: 1 << 12] if deadline is not None else data) :]  # a pipe takes 4 KiB at once
 
 
-def receive(fd, limit):
+def receive(fd, limit, deadline=None):
+    import select
+
     def exactly(n):
         chunks, left = [], n
         while left:
+            wait_for(fd, select.POLLIN, deadline)  # readable: os.read returns what is there, without blocking
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
                 raise EOFError("the other side closed the channel")
@@ -494,16 +514,43 @@ class ProgramFailed(Exception):
     """A call of the program's function failed (the judge's own: the program cannot raise it)."""
 
 
-def proxy(name, channel_out, channel_in, limit):
+class Runner:
+    """The judge's end of the runner: its pid, its two pipes, and whether a call ran past the case limit (then the
+    runner is killed, and every later call fails at once: the judge still goes through every case)."""
+
+    def __init__(self, pid, channel_out, channel_in, limit, case_timeout):
+        self.pid, self.channel_out, self.channel_in = pid, channel_out, channel_in
+        self.limit, self.case_timeout, self.alive = limit, case_timeout, True
+
+    def kill(self):
+        if self.alive:
+            self.alive = False
+            os.kill(self.pid, 9)
+            os.waitpid(self.pid, 0)
+
+    def call(self, message):
+        import time
+
+        if not self.alive:
+            raise ProgramFailed("the runner was stopped at a case's time limit")
+        deadline = time.monotonic() + self.case_timeout
+        try:
+            send(self.channel_out, message, deadline)
+            return receive(self.channel_in, self.limit, deadline)
+        except TimeoutError:
+            self.kill()
+            raise ProgramFailed("a call ran past the case's time limit") from None
+
+
+def proxy(name, runner):
     """The program's function as the tests see it: arguments and result cross the process
     boundary as plain data, so whatever the program does, the judge sees only values. An exception
     of the program is a failure of the call: a builtin Exception type where the tests may expect
     one, ProgramFailed for everything else, never StopIteration or StopAsyncIteration (which would
-    end the tests' loops, `all(map(f, xs))`, as if they had passed)."""
+    end the tests' loops, `all(map(f, xs))`, as if they had passed). A call has `case_timeout` seconds."""
 
     def call(*args, **kwargs):
-        send(channel_out, [name, [encode(a) for a in args], {str(k): encode(v) for k, v in kwargs.items()}])
-        reply = receive(channel_in, limit)
+        reply = runner.call([name, [encode(a) for a in args], {str(k): encode(v) for k, v in kwargs.items()}])
         if type(reply) is dict and set(reply) == {"value"}:
             return decode(reply["value"])
         kind = getattr(builtins, str(reply.get("raise")) if type(reply) is dict else "", None)
@@ -650,6 +697,7 @@ def judge_calls(job, secret_fd, status_fd):
     if type(loaded) is not dict or loaded.get("loaded") is not True:
         return None
     functions = set(loaded["functions"])
+    program = Runner(pid, to_runner_w, from_runner_r, limit, job["case_timeout"])
     failures = []
     namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
     if job["mode"] == "humaneval":
@@ -664,7 +712,7 @@ def judge_calls(job, secret_fd, status_fd):
                 namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
         loads, stored, _, bases = names_in_order([secret["test"]])
         real_modules((set(loads) - stored) & bases, namespace)
-        candidate = namespace[entry] = proxy(entry, to_runner_w, from_runner_r, limit)
+        candidate = namespace[entry] = proxy(entry, program)
         exec(NoFeedback(wrap_top_level=False).compile(secret["test"], "test.py"), namespace)
         try:
             namespace["check"](candidate)
@@ -676,14 +724,13 @@ def judge_calls(job, secret_fd, status_fd):
         if target is not None:
             if target not in functions:
                 return None
-            namespace[target] = proxy(target, to_runner_w, from_runner_r, limit)  # shadows a builtin too
+            namespace[target] = proxy(target, program)  # shadows a builtin too
         for source in secret["tests"]:
             try:
                 exec(NoFeedback(wrap_top_level=True).compile(source, "test.py"), namespace)
             except Exception:
                 failures.append("test")
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
+    program.kill()
     return None if failures else secret["pass_token"]  # only now, after every case
 
 
@@ -720,12 +767,16 @@ def judge_stdio(job, secret_fd, status_fd):
                 stderr=subprocess.DEVNULL,
                 preexec_fn=lambda: become_runner(job),
             )
+            left = deadline - time.monotonic()
             try:
-                proc.communicate(stdin_text.encode(), timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:  # the run's deadline: what is left of it is the program's choice
+                proc.communicate(stdin_text.encode(), timeout=max(0.05, min(job["case_timeout"], left)))
+            except subprocess.TimeoutExpired:  # the case's limit: it failed, the next one runs all the same
                 proc.kill()
                 proc.wait()
-                return None
+                if job["case_timeout"] >= left:  # the run's deadline: no time is left for another case
+                    return None
+                failed = True
+                continue
             out.seek(0)
             if proc.returncode != 0 or out.read(job["fsize"] + 1).split() != expected.encode().split():
                 failed = True

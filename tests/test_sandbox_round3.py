@@ -91,6 +91,33 @@ def test_attack_no_feedback_stdio_runs_the_next_case_after_a_wrong_one(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_each_stdio_case_has_its_own_time_limit(mode, monkeypatch):
+    """Every case hangs: each is stopped at the case limit (1 s) and the next one runs, so the run fails after
+    about three case limits, long before its own 20 s deadline. A judge with only the run's deadline times out."""
+    monkeypatch.setattr(S, "CASE_TIMEOUT_S", 1.0)
+    problem = {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}
+    verdict = V.code_verdict("import time\ntime.sleep(60)\n", problem, timeout=20.0, mode=mode)
+    assert verdict.status == "failed", f"a hung case held the run to its deadline: {verdict}"
+    assert 2.9 < verdict.elapsed_s < 10.0, f"not every case ran to its own limit: {verdict.elapsed_s:.2f} s"
+    honest = V.code_verdict("print(input())\n", problem, timeout=20.0, mode=mode)
+    assert honest.status == "passed", honest
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_past_the_case_limit_fails_and_the_tests_go_on(mode, monkeypatch):
+    """The first call hangs: it fails at the case limit (the runner is stopped), the later calls fail at once,
+    and the verdict comes well before the run's deadline."""
+    monkeypatch.setattr(S, "CASE_TIMEOUT_S", 1.0)
+    program = COUNTING.replace(
+        "return 0 if len(CALLS) == 1", "if len(CALLS) == 1:\n        while True: pass\n    return 0 if 0"
+    )
+    verdict = V.code_verdict(program, THREE, timeout=20.0, mode=mode)
+    assert verdict.status == "failed", f"a hung call held the run to its deadline: {verdict}"
+    assert 0.9 < verdict.elapsed_s < 8.0, verdict
+    assert "call 1" in verdict.stderr_tail and "call 2" not in verdict.stderr_tail, verdict.stderr_tail
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_no_feedback_keeps_the_verdicts(mode):
     """The rewrite keeps what the tests mean: an expected exception, a failure in the middle, a right program."""
     raising = {
@@ -246,7 +273,7 @@ FORKS = (
 
 @pytest.mark.parametrize("mode", MODES)
 def test_attack_no_cgroup_means_no_run(mode, refused_cgroups, caplog, monkeypatch):
-    monkeypatch.delenv("VERIFIERS_ALLOW_NO_CGROUP", raising=False)
+    monkeypatch.delenv("VERIFIERS_ALLOW_NO_CGROUP")
     with caplog.at_level(logging.WARNING, logger="verifiers"):
         first = V.code_verdict(FORKS, ADD, timeout=10.0, mode=mode)
         second = V.code_verdict(FORKS, ADD, timeout=10.0, mode=mode)
@@ -264,7 +291,7 @@ def test_no_cgroup_runs_only_when_the_user_asks(mode, refused_cgroups, monkeypat
 
 
 def test_no_cgroup_is_one_line_before_anything_slow(monkeypatch):
-    monkeypatch.delenv("VERIFIERS_ALLOW_NO_CGROUP", raising=False)
+    monkeypatch.delenv("VERIFIERS_ALLOW_NO_CGROUP")
     monkeypatch.setattr(S, "_cgroup_parents", lambda: [])
     monkeypatch.setattr(S, "_cgroup_slots_made", 0)
     with pytest.raises(V.UserError) as info:
