@@ -864,9 +864,6 @@ def arith_reward(completion: str, answer: str) -> float:
 # ---------------------------------------------------------------------------------------------
 
 MATH_TIMEOUT_S = 5.0  # hard bound per call, enforced by the caller (the worker is killed past it)
-_MATH_PARSE_ALARM_S = 1  # math-verify's own SIGALRM timeouts inside the worker (whole seconds)
-_MATH_VERIFY_ALARM_S = 2
-_MATH_WORKER_MEMORY = 4 << 30  # address-space limit of a worker
 _MAX_ANSWER_CHARS = 1000  # longer boxed predictions score 0.0 without parsing
 # Cheap pre-check against answers whose evaluation explodes: a numeric power tower (9^{9^{9}}),
 # an exponent literal of 7+ digits, a factorial of a 6+ digit number. math-verify's timeouts and
@@ -883,87 +880,11 @@ def _gold_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-# The math worker's code, held in memory: a worker runs it with `python -I -S -c` and never reads
-# this file from disk (which a sandboxed program could have rewritten where writes are not stopped).
-_MATH_WORKER_SRC = r'''
-import json, logging, os, sys
-
-
-def _math_verify_pair(gold_latex: str, pred_latex: str) -> bool:
-    """math-verify: gold first, boxed-only extraction of the prediction, no string fallbacks.
-    Runs in a worker's main thread: math-verify's timeouts use SIGALRM."""
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    gold = parse(
-        gold_latex,
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-        fallback_mode="no_fallback",
-        parsing_timeout=_MATH_PARSE_ALARM_S,
-    )
-    if not gold:
-        return False
-    pred = parse(
-        pred_latex,
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)],
-        fallback_mode="no_fallback",
-        extraction_mode="first_match",
-        parsing_timeout=_MATH_PARSE_ALARM_S,
-    )
-    if not pred:
-        return False
-    return bool(verify(gold, pred, timeout_seconds=_MATH_VERIFY_ALARM_S))
-
-
-def _math_gold_parses(gold_latex: str) -> bool:
-    """Does the gold parse as _math_verify_pair parses it? (No prediction can match a gold that does not.)"""
-    from math_verify import LatexExtractionConfig, parse
-
-    return bool(parse(gold_latex, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-                      fallback_mode="no_fallback", parsing_timeout=_MATH_PARSE_ALARM_S))
-
-
-def _math_worker_main() -> None:
-    """Loop of a math worker process: one JSON request `[id, gold, pred]` per stdin line (pred null: does the gold
-    parse?), one `id 0|1` line back. Exits at end of input (the parent closed the pipe or died)."""
-    import resource
-
-    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    if hard == resource.RLIM_INFINITY or hard > _MATH_WORKER_MEMORY:
-        resource.setrlimit(resource.RLIMIT_AS, (_MATH_WORKER_MEMORY, _MATH_WORKER_MEMORY))
-    replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # stray prints of any library cannot corrupt the protocol
-    logging.disable(logging.CRITICAL)
-    import math_verify  # noqa: F401 - import before the first request
-
-    replies.write(b"ready\n")
-    for line in sys.stdin.buffer:
-        try:
-            request_id, gold, pred = json.loads(line)
-        except ValueError:
-            continue
-        try:
-            ok = _math_gold_parses(gold) if pred is None else _math_verify_pair(gold, pred)
-        except BaseException:  # noqa: BLE001 - math-verify's TimeoutException is a BaseException
-            ok = False
-        replies.write(f"{request_id} {int(ok)}\n".encode())
-'''
-exec(_MATH_WORKER_SRC, globals())  # the same functions, also callable in this process
-_MATH_WORKER_BOOT = (
-    "import json, sys\nconfig = json.loads(sys.argv[1])\nsys.path.extend(config.pop('site'))\n"
-    "globals().update(config)\n" + _MATH_WORKER_SRC + "\n_math_worker_main()\n"
-)
-
-
-def _math_worker_config() -> str:
-    return json.dumps(
-        {
-            "site": _SITE_DIRS,
-            "_MATH_PARSE_ALARM_S": _MATH_PARSE_ALARM_S,
-            "_MATH_VERIFY_ALARM_S": _MATH_VERIFY_ALARM_S,
-            "_MATH_WORKER_MEMORY": _MATH_WORKER_MEMORY,
-        }
-    )
+# The math worker (math_worker.py), read once here: a worker runs this copy with `python -I -S -c` and never reads
+# the file from disk (which a sandboxed program could have rewritten where writes are not stopped).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py"), encoding="utf-8") as _f:
+    _MATH_WORKER_SRC = _f.read()
+del _f
 
 
 class _MathWorker:
@@ -974,7 +895,7 @@ class _MathWorker:
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _MATH_WORKER_BOOT, _math_worker_config()],
+            [sys.executable, "-I", "-S", "-c", _MATH_WORKER_SRC, json.dumps(_SITE_DIRS)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -468,7 +468,8 @@ def test_non_root_trainer_gets_the_namespace_sandbox():
         os.mkdir(home)
         with open(os.path.join(home, ".netrc"), "w") as f:
             f.write("machine example.com password hunter2\n")
-        for module in (V.__file__, S.__file__, S.__file__.replace("sandbox.py", "sandbox_harness.py")):
+        for module in ("verifiers.py", "math_worker.py", "sandbox.py", "sandbox_harness.py"):
+            module = os.path.join(os.path.dirname(V.__file__), module)
             shutil.copy(module, workdir)
         for root, dirs, files in os.walk(workdir):
             for name in dirs + files:

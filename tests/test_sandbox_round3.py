@@ -416,8 +416,9 @@ def test_attack_fallback_program_reads_a_non_root_trainer():
         pytest.skip("needs root (to become another user), setpriv and a system python3 any user can run")
     workdir = tempfile.mkdtemp(prefix="verifiers-r3-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     try:
-        modules = [V.__file__] + ([S.__file__, S.__file__.replace("sandbox.py", "sandbox_harness.py")] if S is not V else [])
-        for module in modules:
+        here = os.path.dirname(V.__file__)
+        for module in ("verifiers.py", "math_worker.py", "sandbox.py", "sandbox_harness.py"):
+            module = os.path.join(here, module)
             shutil.copy(module, workdir)
         for root, dirs, files in os.walk(workdir):
             for name in dirs + files:

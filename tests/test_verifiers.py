@@ -673,16 +673,21 @@ def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
 
 
 def test_attack_math_worker_does_not_load_code_from_disk(monkeypatch, tmp_path):
-    """Math workers run code held in memory: a rewritten verifiers.py on disk (which a program
+    """Math workers run code held in memory: a rewritten math_worker.py on disk (which a program
     could write where the file system is not protected) does not change any math reward."""
-    tampered = tmp_path / "verifiers.py"
-    source = open(V.__file__, encoding="utf-8").read()
-    tampered.write_text(source.replace("def _math_verify_pair(", "def _math_verify_pair(*a):\n    return True\n\ndef _x("))
+    source = open(os.path.join(os.path.dirname(V.__file__), "math_worker.py"), encoding="utf-8").read()
+    tampered = source.replace("def verify_pair(", "def verify_pair(*a):\n    return True\n\n\ndef _x(")
+    assert tampered != source
+    (tmp_path / "math_worker.py").write_text(tampered)
+    (tmp_path / "verifiers.py").write_text(open(V.__file__, encoding="utf-8").read())
     V.close_math_workers()
-    monkeypatch.setattr(V, "__file__", str(tampered))
+    monkeypatch.setattr(V, "__file__", str(tmp_path / "verifiers.py"))
     try:
         assert V.math_reward("\\boxed{3}", "4") == 0.0
         assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+        V.close_math_workers()
+        monkeypatch.setattr(V, "_MATH_WORKER_SRC", tampered)  # the tampered code, were it run, passes anything
+        assert V.math_reward("\\boxed{3}", "4") == 1.0
     finally:
         V.close_math_workers()
 
@@ -693,7 +698,7 @@ def test_math_worker_skips_site_processing():
     try:
         argv = worker.proc.args
         assert "-S" in argv and "-I" in argv, argv
-        assert V.__file__ not in " ".join(argv) and "verifiers.py" not in " ".join(argv[:-1])
+        assert V.__file__ not in " ".join(argv) and "math_worker.py" not in " ".join(argv[:-1])
         assert worker.ask("\\boxed{1}", "\\boxed{1}", 60) is True
     finally:
         worker.close()
