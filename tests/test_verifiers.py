@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+import sandbox as S
 import verifiers as V
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def report_sandbox_mode(request):
 
 def _sandbox_pids() -> list[int]:
     """Live processes started by any sandbox run (tagged through their environment)."""
-    prefix = (V._SANDBOX_MARKER + "=").encode()
+    prefix = (S._SANDBOX_MARKER + "=").encode()
     return [pid for pid in _all_pids() if _environ_has_prefix(pid, prefix)]
 
 
@@ -73,17 +74,24 @@ def _pids_with_cmdline(fragment: str) -> list[int]:
 
 def _sandbox_dirs() -> set[str]:
     parents = {tempfile.gettempdir(), getattr(V, "_sandbox_parent", lambda: None)() or tempfile.gettempdir()}
-    return {d for parent in parents for d in glob.glob(os.path.join(parent, V._SANDBOX_TMP_PREFIX + "*"))}
+    return {d for parent in parents for d in glob.glob(os.path.join(parent, S._SANDBOX_TMP_PREFIX + "*"))}
 
 
 def _sandbox_cgroups() -> set[str]:
-    """The runs' cgroups (one per run and hierarchy, removed by the trainer after the run)."""
-    return {
-        os.path.join(parent, name)
-        for parent, _ in V._cgroup_parents()
-        for name in os.listdir(parent)
-        if name.startswith(V._SANDBOX_CGROUP_PREFIX)
-    }
+    """The runs' cgroups with something of a run in them: a cgroup of the bounded pool (reused from run to run)
+    counts only while a process is in it; any other cgroup of the prefix counts."""
+    found = set()
+    for parent, _ in S._cgroup_parents():
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if not name.startswith(S._SANDBOX_CGROUP_PREFIX):
+                continue
+            if "-pool" in name:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    if not f.read().split():
+                        continue
+            found.add(path)
+    return found
 
 
 def _ipc_objects() -> set[str]:
@@ -417,14 +425,14 @@ def test_code_reward_rejects_malformed_problem():
 
 
 def test_code_reward_reports_infrastructure_failure(monkeypatch, clean_sandbox):
-    monkeypatch.setattr(V, "_HARNESS_SRC", "import sys\nsys.exit(3)\n")  # never reports "started"
+    monkeypatch.setattr(S, "_HARNESS_SRC", "import sys\nsys.exit(3)\n")  # never reports "started"
     assert V.code_verdict("    return a + b\n", ADD).status == "error"
     assert V.code_reward("    return a + b\n", ADD) is None
 
     def no_file(*args, **kwargs):
         raise OSError("out of memory")
 
-    monkeypatch.setattr(V, "_anonymous_file", no_file)
+    monkeypatch.setattr(S, "_anonymous_file", no_file)
     assert V.code_reward("    return a + b\n", ADD) is None
 
 
@@ -665,16 +673,21 @@ def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
 
 
 def test_attack_math_worker_does_not_load_code_from_disk(monkeypatch, tmp_path):
-    """Math workers run code held in memory: a rewritten verifiers.py on disk (which a program
+    """Math workers run code held in memory: a rewritten math_worker.py on disk (which a program
     could write where the file system is not protected) does not change any math reward."""
-    tampered = tmp_path / "verifiers.py"
-    source = open(V.__file__, encoding="utf-8").read()
-    tampered.write_text(source.replace("def _math_verify_pair(", "def _math_verify_pair(*a):\n    return True\n\ndef _x("))
+    source = open(os.path.join(os.path.dirname(V.__file__), "math_worker.py"), encoding="utf-8").read()
+    tampered = source.replace("def verify_pair(", "def verify_pair(*a):\n    return True\n\n\ndef _x(")
+    assert tampered != source
+    (tmp_path / "math_worker.py").write_text(tampered)
+    (tmp_path / "verifiers.py").write_text(open(V.__file__, encoding="utf-8").read())
     V.close_math_workers()
-    monkeypatch.setattr(V, "__file__", str(tampered))
+    monkeypatch.setattr(V, "__file__", str(tmp_path / "verifiers.py"))
     try:
         assert V.math_reward("\\boxed{3}", "4") == 0.0
         assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
+        V.close_math_workers()
+        monkeypatch.setattr(V, "_MATH_WORKER_SRC", tampered)  # the tampered code, were it run, passes anything
+        assert V.math_reward("\\boxed{3}", "4") == 1.0
     finally:
         V.close_math_workers()
 
@@ -685,7 +698,7 @@ def test_math_worker_skips_site_processing():
     try:
         argv = worker.proc.args
         assert "-S" in argv and "-I" in argv, argv
-        assert V.__file__ not in " ".join(argv) and "verifiers.py" not in " ".join(argv[:-1])
+        assert V.__file__ not in " ".join(argv) and "math_worker.py" not in " ".join(argv[:-1])
         assert worker.ask("\\boxed{1}", "\\boxed{1}", 60) is True
     finally:
         worker.close()
@@ -921,7 +934,7 @@ def test_attack_cannot_signal_host_processes(mode, clean_sandbox):
 
 def test_fallback_limits_are_printed_once(monkeypatch, caplog):
     monkeypatch.setenv("VERIFIERS_SANDBOX", "fallback")
-    monkeypatch.setattr(V, "_sandbox_mode", None)
+    monkeypatch.setattr(S, "_sandbox_mode", None)
     with caplog.at_level("WARNING", logger=V.__name__):
         assert V.sandbox_mode() == "fallback"
         assert V.sandbox_mode() == "fallback"
@@ -929,7 +942,7 @@ def test_fallback_limits_are_printed_once(monkeypatch, caplog):
     assert len(warnings) == 1, warnings
     for words in ("kill", "loopback", "write"):
         assert words in warnings[0], warnings[0]
-    monkeypatch.setattr(V, "_sandbox_mode", None)
+    monkeypatch.setattr(S, "_sandbox_mode", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1007,7 +1020,7 @@ def test_attack_other_runs_folders_are_hidden(mode, clean_sandbox):
     os.mkdir(decoy)
     try:
         # only an interpreter that lives under /tmp (a CI's fresh venv) is bound back there, read-only
-        expected = sorted({p.split("/")[2] for p in V._sandbox_view()["tmp_bind_back"]})
+        expected = sorted({p.split("/")[2] for p in S._sandbox_view()["tmp_bind_back"]})
         program = (
             "import os\n"
             f"TMP = sorted(os.listdir('/tmp')) != {expected!r}\n"
