@@ -9,8 +9,10 @@ model    load_tokenizer, format_prompt, context_length, load_model (fp32 master 
          PromptSampler, load_trainer_state, open_run_logger -> RunLogger; evaluation: evaluate_sets, eval_seed,
          write_eval, eval_console_line, print_summary; CONSOLE (the console, rank 0's under torchrun)
 one step 1. engine.wake (the weight sync), group_shuffled_minibatches(minibatch_generator(seed, step)): the plan
-         2. sampler.sample, format_prompt, generate_rollout -> RolloutBatch (prompt(r), completion(r), lengths)
-         3. engine.sleep; rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
+         2. sampler.sample, format_prompt, generate_rollout (seed + step; round k: + k * ROUND_SEED_STRIDE) ->
+            RolloutBatch (prompt(r), completion(r), lengths); rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
+         3. DAPO's options, each off by default (Part B): dynamic_sampling (more rounds, sampler.more), engine.sleep,
+            dapo_shaping (the overlong penalty; in_loss (B,): equal-reward groups, truncated rows out of the loss)
          4. completion_mask_of (B, T); no_grad_logps: the old (and reference) log-probs; RolloutCorrection: the
             engine's log-probs against the trainer's
          5. per mini-batch: micro_batches (a token budget; the rows of one prompt packed, its prompt computed once),
@@ -143,6 +145,7 @@ class Timers:
 RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
 SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
 MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
+ROUND_SEED_STRIDE = 10_000_019  # dynamic sampling's round k of step s samples with seed + s + 10_000_019 * k
 EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
 
 
@@ -185,6 +188,9 @@ class PromptSampler:
             out.append(self._order[self.pos])
             self.pos += 1
         return out
+
+    def more(self, k: int) -> list[int]:  # another round of the same step (--dynamic-sampling): fresh prompts
+        return PromptSampler.sample(self, k)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -1053,6 +1059,26 @@ class Args:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
     beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    zero_variance: Literal["keep", "mask"] = arg(
+        "keep",
+        "a group whose rewards are all equal (advantage 0): keep its tokens in the loss's denominators, or mask "
+        "them out of the loss (token-mean denominator, sequence counts)",
+    )
+    dynamic_sampling: bool = arg(
+        False,
+        "DAPO dynamic sampling: draw more rounds of --prompts-per-step prompts until the step has that many groups "
+        "whose verifier rewards are not all equal (slots still empty after --max-sampling-rounds: out of the loss)",
+    )
+    max_sampling_rounds: int = arg(10, "dynamic sampling: at most this many generation rounds per step (verl's DAPO: 10)")
+    overlong_buffer: int = arg(
+        0,
+        "DAPO soft overlong punishment: a completion in the last L tokens before --max-new-tokens gets "
+        "r += -(len - (max_new_tokens - L)) / L * --overlong-penalty (0: off)",
+    )
+    overlong_penalty: float = arg(1.0, "the overlong penalty at --max-new-tokens (DAPO: 1.0)")
+    truncated: Literal["keep", "mask"] = arg(
+        "keep", "a completion cut at --max-new-tokens: keep it in the loss, or mask it out (DAPO's overlong filtering)"
+    )
     micro_batch_tokens: int = arg(
         0,
         "token budget of one forward/backward micro-batch, in tokens computed (rows x padded length, or packs x "
@@ -1138,6 +1164,13 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("max_grad_norm", lambda v: _is_num(v) and v > 0, "must be > 0"),
     ("updates_per_batch", lambda v: v >= 1, "must be >= 1 (optimizer updates per rollout batch)"),
     ("beta", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no KL term)"),
+    ("max_sampling_rounds", lambda v: v >= 1, "must be >= 1 (generation rounds per step with --dynamic-sampling)"),
+    (
+        "overlong_buffer",
+        lambda v, args: 0 <= v <= args.max_new_tokens,
+        "must be in [0, --max-new-tokens] (0: no overlong penalty)",
+    ),
+    ("overlong_penalty", lambda v: _is_num(v) and v >= 0, "must be >= 0 (the penalty at --max-new-tokens)"),
     ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
     ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
@@ -1679,6 +1712,130 @@ def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
     return opt, sched
 
 
+# ----- DAPO's options (arXiv:2503.14476; each off by default): dynamic sampling, the overlong penalty, rows
+# out of the loss. A step calls them between its rewards and its advantages.
+
+
+def varied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rewards (B,) -> (B // G,) bool: the groups whose rewards are not all equal (all equal: advantage 0)."""
+    grouped = rewards.view(-1, group_size)  # (P, G)
+    return (grouped != grouped[:, :1]).any(dim=1)
+
+
+def overlong_penalty(completion_lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (eq. 13, verl's overlong_buffer): lengths (B,) -> (B,) float32, <= 0.
+
+    R_i = min(-(|o_i| - (L_max - L_buf)) / L_buf * penalty, 0): 0 up to L_max - L_buf tokens, then falling
+    linearly to -penalty at L_max = --max-new-tokens. |o_i| counts the EOS that ended the row, as verl's response
+    length does, so a row that ends with EOS at exactly L_max gets the full penalty like a truncated one."""
+    exceed = completion_lengths.to(torch.float32) - (max_new_tokens - buffer)  # (B,) tokens into the buffer
+    return torch.clamp(-exceed / buffer * penalty, max=0.0)
+
+
+def dapo_shaping(
+    rewards: torch.Tensor,
+    in_loss: torch.Tensor,
+    rollout,
+    group_size: int,
+    max_new_tokens: int,
+    overlong_buffer: int,
+    overlong_penalty_at_max: float,
+    zero_variance: str,
+    truncated: str,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The overlong penalty added to the rewards (B,), then the rows that leave the loss: in_loss (B,) times 0 for
+    every row of a group whose (shaped) rewards are all equal (--zero-variance mask) and for every row cut at the
+    length limit (--truncated mask; a row that ended with EOS at the limit is "stop" and stays). Returns the new
+    rewards, in_loss and their metrics."""
+    metrics = {}
+    if overlong_buffer:
+        penalty = overlong_penalty(rollout.completion_lengths, max_new_tokens, overlong_buffer, overlong_penalty_at_max)
+        rewards = rewards + penalty  # (B,) what the advantages see
+        metrics["rollout/overlong_penalty_mean"] = penalty.mean().item()
+        metrics["rollout/overlong_penalized_frac"] = (penalty < 0).float().mean().item()
+    if zero_variance == "mask":
+        in_loss = in_loss * varied_groups(rewards, group_size).repeat_interleave(group_size).to(in_loss.dtype)
+    if truncated == "mask":
+        in_loss = in_loss * torch.tensor([r != "length" for r in rollout.finish_reasons], dtype=in_loss.dtype)
+    metrics["rollout/in_loss_frac"] = in_loss.mean().item()  # share of the batch's rows whose tokens are in the loss
+    return rewards, in_loss, metrics
+
+
+def group_owners(minibatches: Sequence[Sequence[int]], group_size: int, world_size: int) -> list[int]:
+    """The rank that generates and trains each prompt group (P,): in each mini-batch of the plan its k-th group goes
+    to rank k % W (DistributedWorld.deal_groups; every rank holds the same number of groups of every mini-batch)."""
+    owners = [0] * sum(len(mb) // group_size for mb in minibatches)
+    for mb in minibatches:
+        for k, i in enumerate(range(0, len(mb), group_size)):
+            owners[mb[i] // group_size] = k % world_size
+    return owners
+
+
+def dynamic_sampling(sample_round: Callable, step: int, first: tuple, group_size: int, max_rounds: int, minibatches) -> tuple:
+    """DAPO's dynamic sampling (sec. 3.2): only groups whose verifier rewards are not all equal are kept; more
+    rounds of P prompts are drawn, `sample_round(step, k, minibatches)` -> (problem_idx (P,), rollout, rewards (B,)),
+    until each of
+    the step's P group slots holds a kept group or `max_rounds` rounds were drawn. A slot keeps its mini-batch and
+    its rank: the kept groups of a rank fill that rank's slots in the order they were drawn (round, then group), so
+    under torchrun every rank ends with the same number of groups and no tokens move between ranks (with several
+    ranks the choice of groups can differ from one process's: each rank fills its own slots). A slot still empty
+    after the last round takes one of its rank's last-round groups that was not kept, with its rows out of the loss
+    (in_loss 0): the step trains on what was kept. `first` is round 0. Returns (problem_idx, rollout, rewards,
+    in_loss (B,), metrics)."""
+    G, W = group_size, world().world_size
+    rounds = [first]
+    P = len(first[0])
+    owners = group_owners(minibatches, G, W)  # (P,) the rank of each slot, the same in every round
+    kept = [[] for _ in range(W)]  # per rank: (round, group) of the kept groups it generated, in order
+    need = [owners.count(rank) for rank in range(W)]
+    t0 = time.perf_counter()
+    while True:
+        k = len(rounds) - 1
+        for g in varied_groups(rounds[k][2], G).nonzero().flatten().tolist():
+            kept[owners[g]].append((k, g))
+        if len(rounds) >= max_rounds or all(len(kept[rank]) >= need[rank] for rank in range(W)):
+            break
+        rounds.append(sample_round(step, len(rounds), minibatches))
+    extra_s = time.perf_counter() - t0
+    # slot -> (round, group, in the loss); each rank's slots ascending, filled by its kept groups, then fillers
+    assign: list[tuple[int, int, bool]] = [(0, 0, False)] * P
+    last = len(rounds) - 1
+    for rank in range(W):
+        slots = [g for g in range(P) if owners[g] == rank]
+        chosen = [(r, g, True) for r, g in kept[rank][: len(slots)]]
+        used_last = {g for r, g, _ in chosen if r == last}
+        fillers = [(last, g, False) for g in slots if g not in used_last][: len(slots) - len(chosen)]
+        for slot, pick in zip(slots, chosen + fillers):
+            assign[slot] = pick
+    problem_idx = [rounds[r][0][g] for r, g, _ in assign]
+    rewards = torch.cat([rounds[r][2][g * G : (g + 1) * G] for r, g, _ in assign])  # (B,)
+    in_loss = torch.tensor([float(keep) for _, _, keep in assign]).repeat_interleave(G)  # (B,)
+    if all(r == 0 and g == slot for slot, (r, g, _) in enumerate(assign)):
+        rollout = first[1]  # every slot kept its round-0 group
+    else:
+        mine = [slot for slot in range(P) if owners[slot] == world().rank]  # this rank's slots, ascending
+        local = RolloutBatch(with_engine_logps=first[1].has_engine_logps)
+        positions = [{row: i for i, row in enumerate(rnd[1].rows)} for rnd in rounds]
+        for slot in mine:
+            r, g, _ = assign[slot]
+            src = rounds[r][1]
+            for row in range(g * G, (g + 1) * G):
+                logps = src.engine_logp(row) if src.has_engine_logps else None
+                text = src.texts[positions[r][row]]
+                local.append_row(src.prompt(row), src.completion(row), text, src.finish_reasons[row], logps)
+        rollout = ShardedRollout(local, mine, P, G) if W > 1 else local
+    n_kept = sum(keep for _, _, keep in assign)
+    metrics = {
+        "dynamic/rounds": len(rounds),
+        "dynamic/sampled_groups": len(rounds) * P,
+        "dynamic/varied_groups": sum(len(k) for k in kept),  # every kept candidate drawn, beyond P too
+        "dynamic/kept_groups": n_kept,  # the groups trained on (<= P)
+        "dynamic/filler_groups": P - n_kept,  # slots left unfilled: out of the loss
+        "perf/extra_rollout_s": extra_s,  # generation and rewards of the rounds after the first
+    }
+    return problem_idx, rollout, rewards, in_loss, metrics
+
+
 # ----- several processes (torchrun + FSDP2; docs/distributed.md)
 #
 # `python gapo.py` is world size 1: no process group, no wrapping, and every World method below returns its input
@@ -1718,15 +1875,14 @@ class DistributedWorld(World):
     def deal_groups(self, minibatches: Sequence[Sequence[int]], group_size: int) -> list[int]:
         """This rank's prompt groups (global indices, ascending): in each mini-batch of the seeded plan its k-th
         group goes to rank k % W, so every rank holds the same number of groups of every mini-batch."""
-        mine = []
         for mb in minibatches:
-            groups = [mb[i] // group_size for i in range(0, len(mb), group_size)]
-            if len(groups) % self.world_size:
+            if (len(mb) // group_size) % self.world_size:
                 raise RunError(
-                    f"a mini-batch of {len(groups)} prompt groups cannot be split evenly over {self.world_size} processes"
+                    f"a mini-batch of {len(mb) // group_size} prompt groups cannot be split evenly over "
+                    f"{self.world_size} processes"
                 )
-            mine += groups[self.rank :: self.world_size]
-        return sorted(mine)
+        owners = group_owners(minibatches, group_size, self.world_size)
+        return [g for g, rank in enumerate(owners) if rank == self.rank]
 
     def same_count(self, micro_batches: list[list[int]]) -> list[list[int]]:
         """Every rank's FSDP forward/backward passes are collectives, so every rank must run the same number of

@@ -305,6 +305,23 @@ def main(args: Args) -> None:
         common.CONSOLE.info(common.eval_console_line(step, args.total_steps, metrics))
         return metrics
 
+    def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
+        """Round k of a step: P prompts, G rollouts each, their rewards (k > 0: dynamic sampling's later rounds)."""
+        with timers("rollout"):
+            problem_idx = sampler.sample(P) if k == 0 else sampler.more(P)
+            problems = [train_task.problems[i] for i in problem_idx]
+            prompt_ids = [
+                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
+                for p in problems
+            ]
+            # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
+            seed = args.seed + step + k * common.ROUND_SEED_STRIDE  # round 0: seed + step
+            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature, seed, minibatches)
+        with timers("reward"):  # verifiers.py scores every row
+            row_problems = [p for p in problems for _ in range(G)]
+            rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
+        return problem_idx, rollout, rewards
+
     if args.eval_only:
         metrics = run_eval(0)
         common.print_summary(
@@ -329,23 +346,31 @@ def main(args: Args) -> None:
         minibatches = common.group_shuffled_minibatches(
             P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
         )
-        with timers("rollout"):
-            problem_idx = sampler.sample(P)
-            problems = [train_task.problems[i] for i in problem_idx]
-            prompt_ids = [
-                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
-                for p in problems
-            ]
-            # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-            rollout = common.generate_rollout(
-                engine, prompt_ids, G, args.max_new_tokens, args.temperature, args.seed + step, minibatches
+        problem_idx, rollout, rewards = sample_round(step, 0, minibatches)  # the step's P prompts, rollouts, rewards
+        # TRY NOT TO MODIFY: rewards, then DAPO's options (each off by default): dynamic sampling, the overlong
+        # penalty, rows out of the loss
+        in_loss, shaping_metrics = torch.ones(len(rollout)), {}  # (B,) 1: the row's tokens are in the loss
+        if args.dynamic_sampling:  # DAPO: more rounds until P groups whose rewards vary (empty slots: out of the loss)
+            problem_idx, rollout, rewards, in_loss, shaping_metrics = common.dynamic_sampling(
+                sample_round, step, (problem_idx, rollout, rewards), G, args.max_sampling_rounds, minibatches
             )
         with timers("sleep"):
             engine.sleep()
-        # TRY NOT TO MODIFY: rewards
-        with timers("reward"):
-            row_problems = [p for p in problems for _ in range(G)]
-            rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
+        problems = [train_task.problems[i] for i in problem_idx]
+        row_problems = [p for p in problems for _ in range(G)]
+        if args.overlong_buffer or args.zero_variance == "mask" or args.truncated == "mask":
+            rewards, in_loss, metrics = common.dapo_shaping(
+                rewards,
+                in_loss,
+                rollout,
+                G,
+                args.max_new_tokens,
+                args.overlong_buffer,
+                args.overlong_penalty,
+                args.zero_variance,
+                args.truncated,
+            )  # rewards + the overlong penalty; in_loss 0 for equal-reward groups, truncated rows
+            shaping_metrics |= metrics
         # ALGO LOGIC: advantages
         advantages = compute_advantages(rewards, G, args.scale_rewards, args.focal_gamma)  # (B,) r - mean_g r [* focal]
         if args.clip_mode == "adaptive":
@@ -384,7 +409,8 @@ def main(args: Args) -> None:
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
             for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd", disable=not world.is_main):
-                mb_tokens = mask[mb_rows].sum().item()  # token-mean denominator of the whole mini-batch
+                mb_tokens = max((mask[mb_rows].sum(1) * in_loss[mb_rows]).sum().item(), 1.0)  # token-mean denominator
+                mb_seqs = in_loss[mb_rows].sum().item()  # the sequence count of the other aggregations
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 optimizer.zero_grad(set_to_none=True)
                 per_c = torch.zeros(3, G + 1)  # (clipped units, units, sum |ratio - 1|) of A > 0 rows, by c  # ALGO LOGIC
@@ -397,6 +423,7 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
+                    micro_mask = micro_mask * in_loss[micro].unsqueeze(1).to(logp.device)  # (b, T_m) the rows in the loss
                     # ALGO LOGIC: the method's loss of the micro-batch (a per-rollout upper bound)
                     loss, stats = compute_policy_loss(
                         logp,
@@ -411,7 +438,7 @@ def main(args: Args) -> None:
                         is_weights=is_weights,
                     )
                     # TRY NOT TO MODIFY: the micro-batch's share of the mini-batch's loss and statistics
-                    weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), len(mb_rows))
+                    weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), mb_seqs)
                     scaler.scale(loss * weight).backward()  # fp16: the loss scaled; bf16 / fp32: unchanged
                     n_tok = micro_mask.sum().item()
                     sums["policy_loss"] += loss.item() * weight
@@ -464,6 +491,7 @@ def main(args: Args) -> None:
             "perf/tokens_per_s": n_completion_tokens / max(step_time, 1e-9),
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
+        rollout_metrics |= shaping_metrics  # DAPO's options: dynamic/, the overlong penalty, rows in the loss
         rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
