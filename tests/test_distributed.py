@@ -305,6 +305,31 @@ def test_two_rank_smoke_real_engine_then_resume_in_one_process(toy, tmp_path):
     assert [r["update"] for r in r_orig] == [r["update"] for r in r_res]
 
 
+@pytest.mark.parametrize("engine", ["scripted", "hf"])
+def test_dynamic_sampling_two_ranks(toy, tmp_path, engine):
+    """--dynamic-sampling under torchrun: each rank fills its own slots of the plan with the groups it generated
+    (no tokens move between ranks), so both ranks train the same number of groups and no collective is left
+    waiting; the batch keeps P groups, the kept ones vary, and the fillers are the all-equal rest. With the
+    scripted engine (rollouts that do not depend on the split) and with the real transformers engine."""
+    flags = script_flags(toy, tmp_path, f"dyn_{engine}", "grpo", ["--dynamic-sampling", "--max-sampling-rounds", "3"])
+    flags += ["--log-rollouts-every", "1"]
+    extra_env = {"RLVR_TEST_ENGINE": "scripted"} if engine == "scripted" else {}
+    proc = launch(["script", "grpo", *flags], 2, tmp_path, **extra_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / f"dyn_{engine}"
+    train = [r for r in read_rows(run) if "dynamic/rounds" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    with open(run / "rollouts.jsonl") as f:
+        rollouts = [json.loads(line) for line in f]
+    for r in train:
+        rows = [x for x in rollouts if x["step"] == r["step"]]
+        assert len(rows) == 16  # P = 4 groups of G = 4, dealt 2 and 2
+        groups = [rows[i : i + 4] for i in range(0, 16, 4)]
+        varied = sum(len({x["reward"] for x in g}) > 1 for g in groups)
+        assert r["dynamic/kept_groups"] == varied and r["dynamic/kept_groups"] + r["dynamic/filler_groups"] == 4
+        assert r["dynamic/sampled_groups"] == 4 * r["dynamic/rounds"] and 1 <= r["dynamic/rounds"] <= 3
+
+
 def test_synced_generation_rank_done_early_steps_without_drawing(toy, tmp_path):
     """The HF engine under FSDP2: rank 0's rows all end at their first token, rank 1's run 9 steps. Rank 0 keeps
     stepping (its forwards are collectives) without sampling: each rank's completions, log-probs and next random

@@ -366,6 +366,10 @@ E2E = [
     ("codapo", []),
     ("mugrpo", ["--updates-per-batch", "2"]),
     ("mugrpo", ["--updates-per-batch", "2", "--temperature", "0.7", "--behav-logp", "engine"]),
+    ("grpo", ["--dynamic-sampling", "--max-sampling-rounds", "3"]),
+]
+E2E_IDS = [
+    f"{m}{'-behav-engine' if x[-1:] == ['engine'] else '-dynamic' if '--dynamic-sampling' in x else ''}" for m, x in E2E
 ]
 
 
@@ -384,7 +388,7 @@ def easy_data(tmp_path_factory):
     return tiny.write_jsonl(str(tmp_path_factory.mktemp("easy") / "sums.jsonl"), rows)
 
 
-@pytest.mark.parametrize("method,extra", E2E, ids=[f"{m}{'-behav-engine' if x[-1:] == ['engine'] else ''}" for m, x in E2E])
+@pytest.mark.parametrize("method,extra", E2E, ids=E2E_IDS)
 def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
     flags = [
         "--model",
@@ -431,6 +435,10 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
     train = [r for r in rows if "rollout/reward_mean" in r]
     assert len(train) == 2, rows
     signal = [r["rollout/zero_adv_group_frac"] < 1 for r in train]
+    if "--dynamic-sampling" in extra:  # rounds of the vLLM engine until the groups vary (or 3 rounds)
+        print(f"{method} --dynamic-sampling: {[(r['dynamic/rounds'], r['dynamic/kept_groups']) for r in train]}")
+        assert all(1 <= r["dynamic/rounds"] <= 3 and r["dynamic/sampled_groups"] == 2 * r["dynamic/rounds"] for r in train)
+        assert all(r["dynamic/kept_groups"] + r["dynamic/filler_groups"] == 2 for r in train)
     print(f"{method}: step rewards {[r['rollout/reward_mean'] for r in train]}, learning signal {signal}")
     if "--behav-logp" in extra:
         # behaviour log-probs come from the engine (at T = 0.7): no trainer pass to compare (mismatch/ is 0, below);
