@@ -7,7 +7,7 @@ The problem set is built in (PROBLEMS: 10 one-digit sums and 10 differences, fix
 for evaluation, so 16 are trained on), chosen so that the embedded SmolLM2-135M-Instruct solves them between 20%
 and 80% of the time before training: step 1's rollouts come from the untrained model, so step 1's training
 accuracy is the start, and an arm whose start falls outside the band stops the benchmark. Each arm trains on the
-set with the script's defaults otherwise (8 prompts x 8 rollouts per step, lr 1e-5), and its training accuracy
+set at T = 0.6 with the script's defaults otherwise (8 prompts x 8 rollouts per step, lr 1e-5), and its training accuracy
 (rollout/reward_mean: arith rewards are 0 or 1) is reported per step, with the means of the first and last three
 steps. Arms: the four scripts and grpo with --dynamic-sampling. The table goes to bench/results/learning_loop.md,
 the runs to --out.
@@ -32,6 +32,7 @@ ARMS = {
     "grpo_dynamic": ("grpo", ["--dynamic-sampling"]),
 }
 BAND = (0.2, 0.8)
+TEMPERATURE = 0.6  # sampling and trainer log-prob temperature (at T = 1 the default arith run starts near 5%)
 
 
 def write_problems(path: str) -> str:
@@ -44,7 +45,7 @@ def write_problems(path: str) -> str:
 
 def train(arm: str, data: str, out: str, steps: int, seed: int, python: str) -> list[float]:
     script, extra = ARMS[arm]
-    flags = ["--dataset", data, "--eval-dataset", data, "--reward", "arith", "--total-steps", str(steps)]
+    flags = ["--dataset", data, "--reward", "arith", "--total-steps", str(steps), "--temperature", str(TEMPERATURE)]
     flags += ["--seed", str(seed), "--eval-samples", "2", "--eval-k", "2", "--output-dir", out]
     flags += ["--run-name", f"{arm}_s{seed}", "--exp-name", arm, *extra]
     subprocess.run([python, os.path.join(ROOT, f"{script}.py"), *flags], check=True, cwd=ROOT)
