@@ -418,7 +418,7 @@ def main(args: Args) -> None:
         problems = [train_task.problems[i] for i in problem_idx]
         row_problems = [p for p in problems for _ in range(G)]
         if args.overlong_buffer or args.zero_variance == "mask" or args.truncated == "mask":
-            rewards, in_loss, metrics = common.dapo_shaping(
+            rewards, in_loss, shaping = common.dapo_shaping(
                 rewards,
                 in_loss,
                 rollout,
@@ -429,7 +429,7 @@ def main(args: Args) -> None:
                 args.zero_variance,
                 args.truncated,
             )  # rewards + the overlong penalty; in_loss 0 for equal-reward groups, truncated rows
-            shaping_metrics |= metrics
+            shaping_metrics |= shaping
         # ALGO LOGIC: advantages -- CoDaPO's weights need every row's old log-probs, so they come after them (below)
         # TRY NOT TO MODIFY: old log-probs
         B = len(rollout)

@@ -25,7 +25,8 @@ end      save_checkpoint, save_final_model
 
 Part A below holds, in that order, everything one step calls on one process with the transformers engine, and
 nothing else (tests/test_common_map.py checks it). Part B, below the ruler: flags and their checks, the command line
-and errors, the start of a run (models, engines, the optimizer, the run's logger), several processes
+and errors, the start of a run (models, engines, the optimizer, the run's logger), DAPO's options (dynamic
+sampling, the overlong penalty, rows out of the loss), several processes
 (DistributedWorld, ShardedRollout), the vLLM engine, evaluation, run folders and checkpoints, references for the
 tests and benchmarks, the embedded model. Shapes: B rollouts (rows of one prompt contiguous), T completion tokens,
 G rollouts per prompt.

@@ -359,7 +359,7 @@ def main(args: Args) -> None:
         problems = [train_task.problems[i] for i in problem_idx]
         row_problems = [p for p in problems for _ in range(G)]
         if args.overlong_buffer or args.zero_variance == "mask" or args.truncated == "mask":
-            rewards, in_loss, metrics = common.dapo_shaping(
+            rewards, in_loss, shaping = common.dapo_shaping(
                 rewards,
                 in_loss,
                 rollout,
@@ -370,7 +370,7 @@ def main(args: Args) -> None:
                 args.zero_variance,
                 args.truncated,
             )  # rewards + the overlong penalty; in_loss 0 for equal-reward groups, truncated rows
-            shaping_metrics |= metrics
+            shaping_metrics |= shaping
         # ALGO LOGIC: advantages
         advantages = compute_advantages(rewards, G, args.scale_rewards, args.focal_gamma)  # (B,) r - mean_g r [* focal]
         if args.clip_mode == "adaptive":

@@ -10,6 +10,8 @@ What it does, end to end:
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)),  r_it = pi(o_it)/pi_old(o_it)
      aggregated token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO),
      plus optional beta * KL_k3(pi || pi_ref).
+  DAPO's other two parts and the equal-reward mask are flags of common.Args, each off by default (docs/dapo.md):
+  --dynamic-sampling, --overlong-buffer / --overlong-penalty, --truncated mask, --zero-variance mask.
 
 Run:
   python grpo.py                                   # CPU default: embedded SmolLM2-135M-Instruct on `arith`
@@ -246,7 +248,7 @@ def main(args: Args) -> None:
         problems = [train_task.problems[i] for i in problem_idx]
         row_problems = [p for p in problems for _ in range(G)]
         if args.overlong_buffer or args.zero_variance == "mask" or args.truncated == "mask":
-            rewards, in_loss, metrics = common.dapo_shaping(
+            rewards, in_loss, shaping = common.dapo_shaping(
                 rewards,
                 in_loss,
                 rollout,
@@ -257,7 +259,7 @@ def main(args: Args) -> None:
                 args.zero_variance,
                 args.truncated,
             )  # rewards + the overlong penalty; in_loss 0 for equal-reward groups, truncated rows
-            shaping_metrics |= metrics
+            shaping_metrics |= shaping
         # ALGO LOGIC: advantages
         advantages = compute_advantages(rewards, G, args.scale_rewards)  # (B,)
         loss_unit = "token" if args.loss_agg == "token-mean" else "sequence"  # micro-batch shares by tokens or rows

@@ -352,7 +352,7 @@ def main(args: Args) -> None:
         problems = [train_task.problems[i] for i in problem_idx]
         row_problems = [p for p in problems for _ in range(G)]
         if args.overlong_buffer or args.zero_variance == "mask" or args.truncated == "mask":
-            rewards, in_loss, metrics = common.dapo_shaping(
+            rewards, in_loss, shaping = common.dapo_shaping(
                 rewards,
                 in_loss,
                 rollout,
@@ -363,7 +363,7 @@ def main(args: Args) -> None:
                 args.zero_variance,
                 args.truncated,
             )  # rewards + the overlong penalty; in_loss 0 for equal-reward groups, truncated rows
-            shaping_metrics |= metrics
+            shaping_metrics |= shaping
         # ALGO LOGIC: advantages
         # A stage's rollouts: P = mu x prompts per update, B = P*G rows, generated in one go under frozen weights.
         advantages = compute_advantages(rewards, G)  # (B,) group-normalised once per stage, stored for its mu updates
