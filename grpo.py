@@ -10,7 +10,7 @@ What it does, end to end:
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)),  r_it = pi(o_it)/pi_old(o_it)
      aggregated token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO),
      plus optional beta * KL_k3(pi || pi_ref).
-  DAPO's other two parts and the equal-reward mask are flags of common.Args, each off by default (docs/dapo.md):
+  DAPO's other two parts and the equal-reward mask are flags of infra.Args, each off by default (docs/dapo.md):
   --dynamic-sampling, --overlong-buffer / --overlong-penalty, --truncated mask, --zero-variance mask.
 
 Run:
@@ -31,12 +31,13 @@ import torch
 from tqdm.auto import tqdm
 
 import common
+import infra
 import verifiers
-from common import arg
+from infra import arg
 
 
 @dataclass
-class Args(common.Args):  # the common flags (common.Args), then this method's own
+class Args(infra.Args):  # the common flags (infra.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     # GRPO specific arguments
     clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low")
@@ -119,34 +120,34 @@ def compute_policy_loss(
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
-    world, device = common.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
+    world, device = infra.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
     # checkpoint (HF folder + trainer state) read and checked before the model loads
-    resume = common.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
-    run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    resume = infra.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
+    run_dir = resume.run_dir if resume else infra.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
     # the tasks: data and scoring, gold answers checked (verifiers.py)
     q_field, a_field = args.question_field or None, args.answer_field or None
     task_args = dict(question_field=q_field, answer_field=a_field, reward=args.reward, answer_format=args.answer_format)
     train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, **task_args)
     eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **task_args)
-    tokenizer = common.load_tokenizer(model_path)
+    tokenizer = infra.load_tokenizer(model_path)
     eval_prompts = [
         [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
         for t in eval_tasks
     ]  # one list of prompts per eval set
     # the longest prompt + --max-new-tokens, checked against the model's context before the weights load
-    max_model_len = common.context_length(
+    max_model_len = infra.context_length(
         model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
     )
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
+    model = infra.shard_model(infra.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
     ref_model = (
-        common.shard_model(common.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
+        infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
         if args.beta > 0
         else None
     )
-    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    engine = common.make_engine(
+    optimizer, scheduler = infra.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    engine = infra.make_engine(
         args.engine,
         model,
         tokenizer,
@@ -166,20 +167,20 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume:
-        state = common.load_trainer_state(resume.state, optimizer, scheduler, model)
+        state = infra.load_trainer_state(resume.state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
         if state.get("grad_scaler"):  # fp16: the loss scale
             scaler.load_state_dict(state["grad_scaler"])
         common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
-    logger = common.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
+    logger = infra.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model)
-            metrics, per_set = common.evaluate_sets(
+            metrics, per_set = infra.evaluate_sets(
                 engine,
                 eval_tasks,
                 eval_prompts,
@@ -187,11 +188,11 @@ def main(args: Args) -> None:
                 args.eval_temperature,
                 args.max_new_tokens,
                 args.eval_k,
-                seed=common.eval_seed(args.seed),
+                seed=infra.eval_seed(args.seed),
             )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        common.write_eval(logger, step, per_set)
-        common.CONSOLE.info(common.eval_console_line(step, args.total_steps, metrics))
+        infra.write_eval(logger, step, per_set)
+        common.CONSOLE.info(infra.eval_console_line(step, args.total_steps, metrics))
         return metrics
 
     def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
@@ -213,7 +214,7 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(
+        infra.print_summary(
             f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
             None,
             metrics,
@@ -382,12 +383,12 @@ def main(args: Args) -> None:
             )
         )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
+            infra.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            common.save_checkpoint(
+            infra.save_checkpoint(
                 run_dir,
                 step,
                 model,
@@ -405,9 +406,9 @@ def main(args: Args) -> None:
                 keep_last=args.keep_last,
             )
     bar.close()
-    final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
+    final_dir = infra.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    common.print_summary(
+    infra.print_summary(
         f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
         eval_before,
         eval_after,
@@ -419,4 +420,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_cli(main, Args)
+    infra.run_cli(main, Args)

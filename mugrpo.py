@@ -54,12 +54,13 @@ import torch
 from tqdm.auto import tqdm
 
 import common
+import infra
 import verifiers
-from common import arg
+from infra import arg
 
 
 @dataclass
-class Args(common.Args):  # the common flags (common.Args), then this method's own
+class Args(infra.Args):  # the common flags (infra.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     # MUGRPO specific arguments
     # a stage is grpo.py's step with a huge batch: the same three flags, with Mu-GRPO's defaults and meaning
@@ -223,34 +224,34 @@ def main(args: Args) -> None:
     # ALGO LOGIC: stage settings (a stage = one step with mu = --updates-per-batch updates on its own rollouts)
     log_delta = math.log(args.veto_delta)  # trigger test in log space: log rho_it < log delta
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
-    world, device = common.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
+    world, device = infra.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
     # checkpoint (HF folder + trainer state) read and checked before the model loads
-    resume = common.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
-    run_dir = resume.run_dir if resume else common.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    resume = infra.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
+    run_dir = resume.run_dir if resume else infra.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
     model_path = resume.model_dir if resume else args.model
     # the tasks: data and scoring, gold answers checked (verifiers.py)
     q_field, a_field = args.question_field or None, args.answer_field or None
     task_args = dict(question_field=q_field, answer_field=a_field, reward=args.reward, answer_format=args.answer_format)
     train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, **task_args)
     eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **task_args)
-    tokenizer = common.load_tokenizer(model_path)
+    tokenizer = infra.load_tokenizer(model_path)
     eval_prompts = [
         [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
         for t in eval_tasks
     ]  # one list of prompts per eval set
     # the longest prompt + --max-new-tokens, checked against the model's context before the weights load
-    max_model_len = common.context_length(
+    max_model_len = infra.context_length(
         model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
     )
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = common.shard_model(common.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
+    model = infra.shard_model(infra.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
     ref_model = (
-        common.shard_model(common.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
+        infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
         if args.beta > 0
         else None
     )
-    optimizer, scheduler = common.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    engine = common.make_engine(
+    optimizer, scheduler = infra.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    engine = infra.make_engine(
         args.engine,
         model,
         tokenizer,
@@ -270,20 +271,20 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume:
-        state = common.load_trainer_state(resume.state, optimizer, scheduler, model)
+        state = infra.load_trainer_state(resume.state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
         if state.get("grad_scaler"):  # fp16: the loss scale
             scaler.load_state_dict(state["grad_scaler"])
         common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
-    logger = common.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
+    logger = infra.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model)
-            metrics, per_set = common.evaluate_sets(
+            metrics, per_set = infra.evaluate_sets(
                 engine,
                 eval_tasks,
                 eval_prompts,
@@ -291,11 +292,11 @@ def main(args: Args) -> None:
                 args.eval_temperature,
                 args.max_new_tokens,
                 args.eval_k,
-                seed=common.eval_seed(args.seed),
+                seed=infra.eval_seed(args.seed),
             )
         logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        common.write_eval(logger, step, per_set)
-        common.CONSOLE.info(common.eval_console_line(step, args.total_steps, metrics))
+        infra.write_eval(logger, step, per_set)
+        common.CONSOLE.info(infra.eval_console_line(step, args.total_steps, metrics))
         return metrics
 
     def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
@@ -317,7 +318,7 @@ def main(args: Args) -> None:
 
     if args.eval_only:
         metrics = run_eval(0)
-        common.print_summary(
+        infra.print_summary(
             f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
             None,
             metrics,
@@ -399,7 +400,7 @@ def main(args: Args) -> None:
         # --behav-logp engine the engine's sampling log-probs (temperature-processed) of every row
         if args.behav_logp == "engine":
             if not rollout.has_engine_logps:
-                raise common.RunError("--behav-logp engine: the rollout engine returned no log-probs")
+                raise verifiers.RunError("--behav-logp engine: the rollout engine returned no log-probs")
             # written into old_logp's (B, T) buffer, unused with engine log-probs (no row is ready there): at paper
             # scale a second dense (B, T) fp32 tensor would be another 6.4 GB. Row-major boolean indexing of the
             # mask visits row r's len(r) real tokens in order, exactly the packed order of the flat log-probs.
@@ -407,7 +408,7 @@ def main(args: Args) -> None:
             old_ready[rollout.rows] = True  # (B,) all rows at world size 1
             own_tokens = mask.bool() & old_ready.unsqueeze(1)  # (B, T) real tokens of the rows held here
             if flat.numel() != int(own_tokens.sum().item()):
-                raise common.RunError(
+                raise verifiers.RunError(
                     f"--behav-logp engine: {flat.numel()} engine log-probs for "
                     f"{int(own_tokens.sum().item())} completion tokens"
                 )
@@ -526,12 +527,12 @@ def main(args: Args) -> None:
             )
         )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            common.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
+            infra.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            common.save_checkpoint(
+            infra.save_checkpoint(
                 run_dir,
                 step,
                 model,
@@ -549,9 +550,9 @@ def main(args: Args) -> None:
                 keep_last=args.keep_last,
             )
     bar.close()
-    final_dir = common.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
+    final_dir = infra.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    common.print_summary(
+    infra.print_summary(
         f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
         eval_before,
         eval_after,
@@ -563,4 +564,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    common.run_cli(main, Args)
+    infra.run_cli(main, Args)

@@ -23,8 +23,8 @@ Part 2, rewards:
 - `extract_boxed`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers `math_rewards_batch` /
   `code_rewards_batch` (concurrent, order preserving).
 
-`UserError` and `RunError` live here, the lowest layer; common.py and the scripts use them as common.UserError and
-common.RunError.
+`UserError` and `RunError` live here, the lowest layer that raises them; common.py, engines.py, infra.py and the scripts
+import them from here (verifiers.UserError, verifiers.RunError).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ CODE_INSTRUCTION = "Write the complete Python function in a single ```python cod
 INSTRUCTIONS = {"arith": ARITH_INSTRUCTION, "math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION}
 BUILTIN_REWARDS = ("auto", "arith", "math", "code")
 HOLDOUT = 200  # problems held out for evaluation from a dataset without an eval split (at most a fifth of it)
-# Seeds of the data splits (the training run's random streams: common.py, "Random streams")
+# Seeds of the data splits (the training run's random streams: common.py, step 1)
 ARITH_EVAL_SEED_OFFSET = 10_000  # the arith eval problems of --seed s are drawn with seed s + 10_000
 HOLDOUT_SHUFFLE_SEED = 1234  # the held-out carve of a dataset without an eval split (the same for every --seed)
 

@@ -4,7 +4,7 @@ transformers' (softmax, torch.multinomial over every row of the chunk) against s
 per running row).
 
 Embedded SmolLM2-135M, the arith task's real prompts, P prompts x G rows, every row run to --max-new-tokens
-(common.full_length_rows: both sides generate the same number of tokens), median of --repeats, the two engines
+(references.full_length_rows: both sides generate the same number of tokens), median of --repeats, the two engines
 interleaved.
 
     flock /tmp/cpu.lock python bench/engine_dtype.py
@@ -24,7 +24,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import infra  # noqa: E402
 import verifiers  # noqa: E402
+from tests import references  # noqa: E402
 
 
 def multinomial_sampler(scores: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
@@ -42,10 +44,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    common.set_cpu_threads()
+    infra.set_cpu_threads()
     cpu = torch.device("cpu")
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, cpu)
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, cpu)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in task.problems[: a.prompts]]
     print(
@@ -59,7 +61,7 @@ def main() -> None:
     scores = torch.randn(a.prompts * a.G, V) * 3
     running = torch.arange(0, a.prompts * a.G, 2)  # half the rows still running
     timed = {"multinomial over every row": lambda: multinomial_sampler(scores, running)}
-    timed["sample_from_logits, running rows"] = lambda: common.sample_from_logits(scores[running], torch.rand(len(running)))
+    timed["sample_from_logits, running rows"] = lambda: engines.sample_from_logits(scores[running], torch.rand(len(running)))
     print("\n| sampler, one step (64 rows, half running) | ms |\n|---|---|")
     for name, fn in timed.items():
         fn()
@@ -69,13 +71,13 @@ def main() -> None:
         print(f"| {name} | {(time.perf_counter() - t0) / 20 * 1e3:.1f} |")
 
     # 2. generation, fp32 weights against the bf16 copy, and the copy's log-probs against the trainer's
-    common.full_length_rows()
+    references.full_length_rows()
     engines = {
-        dtype: common.make_engine(
+        dtype: infra.make_engine(
             "hf",
             model,
             tokenizer,
-            model_path=common.EMBEDDED_MODEL,
+            model_path=infra.EMBEDDED_MODEL,
             max_model_len=2048,
             seed=0,
             gen_batch_size=64,

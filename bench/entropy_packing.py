@@ -28,13 +28,19 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import verifiers  # noqa: E402
 
+try:  # a checkout before common.py was split in three holds everything in common.py
+    import engines
+    import infra
+except ImportError:
+    engines = infra = common
+
 batch_of = getattr(common, "token_batch_of", None) or common.rows_batch  # the older name
 torch.manual_seed(1)
-tok = common.load_tokenizer(common.EMBEDDED_MODEL)
-model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
+tok = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
 task = verifiers.load_task("arith", "train", 1)
 prompts = [common.format_prompt(tok, q["question"], task.instruction) for q in task.problems[: o.prompts]]
-rollout = common.HFEngine(model, tok).generate(prompts, o.G, o.max_new_tokens, 1.0, progress=False)
+rollout = engines.HFEngine(model, tok).generate(prompts, o.G, o.max_new_tokens, 1.0, progress=False)
 rows = list(range(len(rollout)))
 out = {}
 with torch.no_grad():

@@ -62,9 +62,9 @@ TINY = dict(QWEN_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2
 def export_assets(folder: str) -> None:
     """The embedded model's tokenizer files (tokenizer.json, its config, the chat template): what the device needs."""
     sys.path.insert(0, ROOT)
-    import common
+    import infra
 
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
     print(f"wrote {folder}/tokenizer ({size / 2**20:.1f} MiB)")

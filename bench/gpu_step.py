@@ -7,10 +7,10 @@ model almost never samples its EOS, so every completion has the full length (the
 `--model PATH` uses a real local checkpoint instead.
 
 What runs is the code path of every method script:
-- generation: `common.HFEngine` (its sampling loop over the model's forward, batched, KV cache);
+- generation: `engines.HFEngine` (its sampling loop over the model's forward, batched, KV cache);
 - training: `common.micro_batches` + `common.completion_logps` (chunked, checkpointed LM head) +
   `grpo.compute_policy_loss` (token-mean, clip 0.2) + backward;
-- the optimizer: `common.make_optimizer` (fused AdamW) + grad clipping.
+- the optimizer: `infra.make_optimizer` (fused AdamW) + grad clipping.
 
 MFU = model FLOPs of the forward+backward / (time x peak bf16 dense FLOP/s of the device). Model FLOPs per
 training token: 6 x (parameters of all linear layers of the decoder) + 6 x n_layers x d_attn x L
@@ -38,7 +38,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engines  # noqa: E402
 import grpo  # noqa: E402
+import infra  # noqa: E402
+from tests import references  # noqa: E402
 
 # Published configs (config.json of the hub repos), only the fields that set the shapes.
 CONFIGS = {
@@ -100,7 +103,7 @@ def build_model(name: str, model_path: str, device: torch.device, dtype: torch.d
 
     if model_path:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = common.load_tokenizer(model_path)
+        tokenizer = infra.load_tokenizer(model_path)
     else:
         config = Qwen2Config(**CONFIGS[name], use_cache=False)
         torch.manual_seed(0)
@@ -137,8 +140,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
-    # the method scripts' precision (common.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
-    dtype, autocast_dtype = common.model_dtypes(device)
+    # the method scripts' precision (infra.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
+    dtype, autocast_dtype = infra.model_dtypes(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -155,7 +158,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     }
 
     # generation: gen_prompts x G rows through the HF engine
-    engine = common.HFEngine(model, tokenizer, gen_batch_size=a.gen_batch_size)
+    engine = engines.HFEngine(model, tokenizer, gen_batch_size=a.gen_batch_size)
     prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(a.gen_prompts)]
     engine.generate(prompts[:1], 1, 4, 1.0, progress=False)  # warm-up (kernels, allocator)
     sync(device)
@@ -180,9 +183,9 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
     rows = a.train_rows
     prompt_ids = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(rows)]
     completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
-    batch = common.rollout_from_rows(prompt_ids, completion_ids)  # every row its own prompt: nothing packs
+    batch = references.rollout_from_rows(prompt_ids, completion_ids)  # every row its own prompt: nothing packs
     advantages = torch.randn(rows, generator=gen)
-    optimizer, _ = common.make_optimizer(model, 1e-6, 0.0, 1)
+    optimizer, _ = infra.make_optimizer(model, 1e-6, 0.0, 1)
     fwd_bwd, opt_s = [], []
     for rep in range(a.repeats + 1):  # the first pass warms up and is not counted
         optimizer.zero_grad(set_to_none=True)

@@ -24,7 +24,9 @@ from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wai
 
 import common  # noqa: E402
 import grpo  # noqa: E402
+import infra  # noqa: E402
 import verifiers  # noqa: E402
+from tests import references  # noqa: E402
 
 
 def train_pass(model, rollout, budget: int, pad_id: int, chunk: int, advantages) -> dict:
@@ -71,11 +73,11 @@ def main():
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
     o = p.parse_args()
-    common.set_cpu_threads()
-    common.seed_everything(o.seed)
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
-    engine = common.make_engine(
+    infra.set_cpu_threads()
+    infra.seed_everything(o.seed)
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+    engine = infra.make_engine(
         "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
     )
     task = verifiers.load_task("arith", "train", o.seed)
@@ -85,7 +87,7 @@ def main():
     B = len(rollout)
     advantages = torch.randn(B)
     pad_id = tokenizer.pad_token_id
-    small = common.rollout_from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
+    small = references.rollout_from_rows([rollout.prompt(r) for r in range(4)], [rollout.completion(r) for r in range(4)])
     train_pass(model, small, 4096, pad_id, o.chunk_tokens, advantages)  # warm-up
     print(
         f"{B} rows, mean completion {int(rollout.completion_lengths.sum()) / B:.1f} tokens, threads {torch.get_num_threads()}"

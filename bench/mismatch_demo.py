@@ -20,8 +20,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import common  # noqa: E402
+import engines  # noqa: E402
 import grpo  # noqa: E402
+import infra  # noqa: E402
 
 MODES = ("none", "token-tis", "seq-mask", "icepop")
 KEYS = (
@@ -39,7 +40,7 @@ KEYS = (
 )
 
 
-class PerturbedEngine(common.HFEngine):
+class PerturbedEngine(engines.HFEngine):
     """The HF engine sampling (and reporting its log-probs) at another temperature than the trainer's."""
 
     def __init__(self, model, tokenizer, temperature: float):
@@ -56,7 +57,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1)
     a = p.parse_args()
     out = tempfile.mkdtemp(prefix="mismatch_demo_")
-    common.make_engine = lambda kind, model, tokenizer, **kw: PerturbedEngine(model, tokenizer, a.engine_temperature)
+    infra.make_engine = lambda kind, model, tokenizer, **kw: PerturbedEngine(model, tokenizer, a.engine_temperature)
     table = {}
     for mode in MODES:
         argv = [
@@ -83,7 +84,7 @@ def main() -> None:
             "--run-name",
             mode,
         ]
-        grpo.main(common.parse_args(grpo.Args, argv))
+        grpo.main(infra.parse_args(grpo.Args, argv))
         with open(os.path.join(out, mode, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         first = next(r for r in rows if "mismatch/abs_log_rho_mean" in r)

@@ -17,17 +17,19 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import common  # noqa: E402
+import engines  # noqa: E402
+import infra  # noqa: E402
 import verifiers  # noqa: E402
 
 
 def main() -> None:
     torch.manual_seed(1)
-    model_path = common.resolve_model_path("smollm2-135m")
-    model = common.load_model(model_path, torch.device("cpu"))
-    tokenizer = common.load_tokenizer(model_path)
+    model_path = infra.resolve_model_path("smollm2-135m")
+    model = infra.load_model(model_path, torch.device("cpu"))
+    tokenizer = infra.load_tokenizer(model_path)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in task.problems[:4]]
-    engine = common.HFEngine(model, tokenizer)
+    engine = engines.HFEngine(model, tokenizer)
     engine.generate(prompts[:1], 2, 8, 1.0, seed=0, progress=False)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()

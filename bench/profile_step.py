@@ -29,7 +29,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
+import infra  # noqa: E402
 import verifiers  # noqa: E402
+from tests import references  # noqa: E402
 
 
 class ChunkedLogp(torch.autograd.Function):
@@ -143,16 +145,16 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     o = p.parse_args()
 
-    common.set_cpu_threads()
-    common.seed_everything(o.seed)
+    infra.set_cpu_threads()
+    infra.seed_everything(o.seed)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
     print(f"attention implementation: {model.config._attn_implementation}")
     if o.force_length:  # the engine ignores the model's generation_config: its rows simply never end
-        common.full_length_rows()
-    optimizer, scheduler = common.make_optimizer(model, 1e-5, 0.0, 2)
-    engine = common.make_engine(
+        references.full_length_rows()
+    optimizer, scheduler = infra.make_optimizer(model, 1e-5, 0.0, 2)
+    engine = infra.make_engine(
         "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
     )
     task = verifiers.load_task("arith", "train", o.seed)

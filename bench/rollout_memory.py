@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from tests import references  # noqa: E402
 
 
 def synthetic_rows(rows: int, group: int, prompt_len: int, mean_len: int, max_len: int, vocab: int, seed: int):
@@ -104,7 +105,7 @@ def main() -> None:
     t0 = time.perf_counter()
     lengths_new = [len(new_out.prompt(r)) + len(new_out.completion(r)) for r in range(a.rows)]
     new_access = time.perf_counter() - t0
-    assert lengths_new == lengths_old and common.rollout_nbytes(new_out) <= new_bytes + 4096
+    assert lengths_new == lengths_old and references.rollout_nbytes(new_out) <= new_bytes + 4096
 
     B, T, scale = a.rows, a.max_len, a.scale_rows / a.rows
     gb = 1e9

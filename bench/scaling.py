@@ -5,7 +5,7 @@ All cells run in one process after a small warm-up call, one `grpo.main` call pe
 fresh optimizer, one update per rollout batch); the timed step is the cell's step(s) from its metrics
 rows (perf/rollout_s + perf/train_s + reward + sync; the tiny evaluation before/after is not in them).
 With --steps 2 the first step of each cell is dropped as a warm-up. Completions are forced to the full
-length (common.full_length_rows: no row ends at EOS, bench-only) unless --natural, so that "length 128" means 128
+length (references.full_length_rows: no row ends at EOS, bench-only) unless --natural, so that "length 128" means 128
 generated tokens per row; the actual mean completion length and the truncated fraction are printed
 anyway. Peak resident memory per cell: VmHWM, reset before each cell through /proc/self/clear_refs.
 
@@ -80,13 +80,14 @@ def wait_quiet(max_wait_s: float = 300.0, threshold: float = 0.3) -> float:
 
 
 def run_cell(G: int, T: int, o, force: bool) -> dict:
-    import common
     import grpo
+    import infra
+    from tests import references
 
-    restore = common.full_length_rows() if force else None  # bench-only: every row runs T tokens
+    restore = references.full_length_rows() if force else None  # bench-only: every row runs T tokens
     out_dir = tempfile.mkdtemp(prefix="bench_scaling_")
     args = grpo.Args(
-        model=common.EMBEDDED_MODEL,
+        model=infra.EMBEDDED_MODEL,
         dataset="arith",
         engine="hf",
         seed=o.seed,

@@ -4,7 +4,7 @@ Training pass: the forward + backward of grpo.py's update (micro_batches at --mi
 grpo.compute_policy_loss, backward per micro-batch) over P groups of G rows, packed groups (micro_batches with the
 model: the cost rule decides per group) against padded rows (micro_batches without the model: today's layout).
 Generation: HFEngine.generate of P prompts x G, the engine's sampling loop (each prompt prefilled once, ended rows
-out of the batch) against transformers' generate on every row (common.ReferenceHFEngine: every row prefilled and
+out of the batch) against transformers' generate on every row (references.ReferenceHFEngine: every row prefilled and
 stepped until the chunk's longest row ends); the two draw from the same distribution, not the same tokens, so the
 table gives both mean lengths. Embedded SmolLM2-135M, the arith task's real prompts (~51
 tokens); completions of T random tokens for the training shapes (EOS never sampled: every completion has exactly T
@@ -29,8 +29,11 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engines  # noqa: E402
 import grpo  # noqa: E402
+import infra  # noqa: E402
 import verifiers  # noqa: E402
+from tests import references  # noqa: E402
 
 
 def train_pass(model, rollout, budget: int, packed: bool) -> tuple[float, int, int]:
@@ -57,10 +60,10 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
     p.add_argument("--only", choices=["training", "generation"], help="one of the two tables")
     a = p.parse_args()
-    common.set_cpu_threads()
+    infra.set_cpu_threads()
     cpu = torch.device("cpu")
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, cpu)
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, cpu)
     model.rlvr_pad_id = tokenizer.pad_token_id
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in task.problems[:16]]
@@ -75,7 +78,7 @@ def main() -> None:
         print("\n| groups x G | T | tokens per row / packed | micro-batches | per-row s | packed s | ratio |")
         print("|---|---|---|---|---|---|---|")
     for P, G, T in shapes:
-        rollout = common.rollout_from_rows(
+        rollout = references.rollout_from_rows(
             [prompts[g] for g in range(P) for _ in range(G)],
             [torch.randint(3, len(tokenizer) - 1, (T,), generator=gen).tolist() for _ in range(P * G)],
         )
@@ -95,8 +98,8 @@ def main() -> None:
     model.zero_grad(set_to_none=True)
 
     gen_shapes = [] if a.only == "training" else [(8, 8, 32)] if a.quick else GEN_SHAPES
-    engines = {False: common.HFEngine(model, tokenizer, gen_batch_size=64)}  # True: transformers' generate
-    engines[True] = common.ReferenceHFEngine(model, tokenizer, gen_batch_size=64)
+    gen_engines = {False: engines.HFEngine(model, tokenizer, gen_batch_size=64)}  # True: transformers' generate
+    gen_engines[True] = references.ReferenceHFEngine(model, tokenizer, gen_batch_size=64)
     if gen_shapes:
         print("\n| prompts x G | max new tokens | mean / longest completion | generate s | loop s | ratio | generate's mean |")
         print("|---|---|---|---|---|---|---|")
@@ -106,7 +109,7 @@ def main() -> None:
             for use_generate in (True, False):  # interleaved: background load hits both alike
                 torch.manual_seed(1)
                 t0 = time.perf_counter()
-                outs[use_generate] = engines[use_generate].generate(prompts[:P], G, T, 1.0, progress=False)
+                outs[use_generate] = gen_engines[use_generate].generate(prompts[:P], G, T, 1.0, progress=False)
                 times[use_generate].append(time.perf_counter() - t0)
         theirs = outs[True].completion_lengths.float().mean()
         lengths = outs[False].completion_lengths.float()

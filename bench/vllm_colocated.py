@@ -3,7 +3,7 @@
 Runs in the vLLM venv (docs/vllm.md). Two child processes, one after the other:
 - `alone`: only the vLLM engine (the CPU build, in-process engine core as the scripts build it) generating
   4 prompts x 8 completions of at most 64 tokens, 4 times after start-up;
-- `colocated`: what grpo.py --engine vllm does: the trainer's model loaded first (threads set by common.setup's
+- `colocated`: what grpo.py --engine vllm does: the trainer's model loaded first (threads set by infra.setup's
   set_cpu_threads), a training pass timed (packed micro-batches, forward + backward of 32 rows), then the engine
   built beside it; then 4 rounds of generate -> sleep -> the same training pass -> wake (weight push).
 Each child prints torch's thread count and the threads' CPU affinity before and after the engine starts, and the
@@ -72,16 +72,19 @@ def child(mode: str) -> dict:
     import torch
 
     import common
+    import engines
+    import infra
     import verifiers
+    from tests import references
 
-    common.set_cpu_threads()
-    path = common.embedded_model_dir()
-    tok = common.load_tokenizer(path)
+    infra.set_cpu_threads()
+    path = infra.embedded_model_dir()
+    tok = infra.load_tokenizer(path)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tok, p["question"], task.instruction) for p in task.problems[:4]]
     result = {"mode": mode, "before_engine": thread_state(), "train_s_before": [], "train_s_after": [], "gen": []}
     model = None
-    rollout = common.rollout_from_rows(
+    rollout = references.rollout_from_rows(
         [prompts[g] for g in range(4) for _ in range(8)], [list(range(100, 130))] * 32
     )  # 4 groups x 8 rows of 30 tokens
 
@@ -105,16 +108,16 @@ def child(mode: str) -> dict:
         return seconds, others, *switches
 
     if mode == "colocated":
-        model = common.load_model(path, torch.device("cpu"))
+        model = infra.load_model(path, torch.device("cpu"))
         train_pass()  # warm-up
         result["train_s_before"] = [train_pass() for _ in range(2)]
     t0 = time.perf_counter()
     if mode == "colocated":
-        engine = common.make_engine(
+        engine = infra.make_engine(
             "vllm", model, tok, model_path=path, max_model_len=256, seed=1, gen_batch_size=64, gpu_memory_utilization=0.35
         )
     else:
-        engine = common.VLLMEngine(path, tok, max_model_len=256, seed=1, gpu_memory_utilization=0.35, dtype="float32")
+        engine = engines.VLLMEngine(path, tok, max_model_len=256, seed=1, gpu_memory_utilization=0.35, dtype="float32")
     result["engine_start_s"] = time.perf_counter() - t0
     result["after_engine"] = thread_state()
     for i in range(ROUNDS):

@@ -20,7 +20,7 @@ Evaluation (ours runs one tiny one before/after training) lies outside every tim
     flock /tmp/cpu.lock bench/.venv/bin/python bench/vs_trl.py --steps 3 --repeats 2 --engine-dtype auto bf16
 
 `--force-length` makes every row run to max_new_tokens on both sides (TRL: min_new_tokens, EOS suppressed;
-ours: common.full_length_rows, EOS sampled as any token and ending nothing), so both generate the same number of
+ours: references.full_length_rows, EOS sampled as any token and ending nothing), so both generate the same number of
 tokens; without it the model stops at EOS as it likes and the mean completion length of each side is printed next
 to the times.
 """
@@ -66,14 +66,15 @@ def read_steps(run_dir: str, B: int) -> list[dict]:
 
 
 def child_ours(o) -> dict:
-    import common
     import grpo
+    import infra
+    from tests import references
 
     if o.force_length:
-        common.full_length_rows()  # bench-only: no row ends before the maximum (TRL side: min_new_tokens)
+        references.full_length_rows()  # bench-only: no row ends before the maximum (TRL side: min_new_tokens)
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     args = grpo.Args(
-        model=common.EMBEDDED_MODEL,
+        model=infra.EMBEDDED_MODEL,
         dataset="arith",
         engine="hf",
         engine_dtype=o.engine_dtype,
@@ -104,12 +105,13 @@ def child_trl(o) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import common
+    import infra
     import verifiers
 
-    common.set_cpu_threads()  # ours does the same first thing in grpo.main
-    common.seed_everything(o.seed)
-    path = common.embedded_model_dir()
-    tokenizer = common.load_tokenizer(path)
+    infra.set_cpu_threads()  # ours does the same first thing in grpo.main
+    infra.seed_everything(o.seed)
+    path = infra.embedded_model_dir()
+    tokenizer = infra.load_tokenizer(path)
     task = verifiers.load_task("arith", "train", o.seed)
     sampler = common.PromptSampler(len(task.problems), o.seed)  # the prompts grpo.main draws, in its order
     problems = [task.problems[i] for _ in range(o.steps) for i in sampler.sample(o.prompts)]

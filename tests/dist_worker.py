@@ -32,6 +32,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import engines  # noqa: E402
+import infra  # noqa: E402
+import verifiers  # noqa: E402
+from tests import references  # noqa: E402
 
 
 class ScriptedEngine:
@@ -71,7 +75,7 @@ class ScriptedEngine:
 def run_script(method: str, flags: list[str]) -> None:
     if os.environ.get("RLVR_TEST_ENGINE") in ("scripted", "scripted_logps"):
         logps = os.environ["RLVR_TEST_ENGINE"] == "scripted_logps"
-        common.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer, logps)
+        infra.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer, logps)
     sys.argv = [os.path.join(ROOT, f"{method}.py"), *flags]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
@@ -170,14 +174,14 @@ def losses():
 
 
 def run_update(model_path: str, out_path: str, control: str = "") -> None:
-    world = common.init_world()
-    tokenizer = common.load_tokenizer(model_path)
+    world = infra.init_world()
+    tokenizer = infra.load_tokenizer(model_path)
     full, advantages, offset = fixed_batch(len(tokenizer))
     minibatch = list(range(P * G))  # one mini-batch: every row
     if world.enabled:
         groups = world.deal_groups([minibatch], G)
         rows = [g * G + j for g in groups for j in range(G)]
-        local = common.rollout_from_rows(
+        local = references.rollout_from_rows(
             [full.prompt(r) for r in rows], [full.completion(r) for r in rows], ["" for _ in rows], ["stop" for _ in rows]
         )
         rollout = common.ShardedRollout(local, groups, P, G)
@@ -186,19 +190,19 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     mask = common.completion_mask_of(rollout)  # (B, T) from every row's length
     results = {}
     for name, agg, loss_fn in losses():
-        common.seed_everything(0)
-        model = common.load_model(model_path, torch.device("cpu"), gradient_checkpointing=name.endswith("checkpointing"))
+        infra.seed_everything(0)
+        model = infra.load_model(model_path, torch.device("cpu"), gradient_checkpointing=name.endswith("checkpointing"))
         if control == "average" and world.enabled:  # FSDP's default: average the ranks' gradients
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-            for layer in common.decoder_layers(model):
+            for layer in infra.decoder_layers(model):
                 fully_shard(layer)
             fully_shard(model)
             model.rlvr_completion_logps = common._completion_logps.__get__(model)
             register_fsdp_forward_method(model, "rlvr_completion_logps")
         else:
-            model = common.shard_model(model)
-        optimizer, _ = common.make_optimizer(model, 1e-2, 0.0, 0)
+            model = infra.shard_model(model)
+        optimizer, _ = infra.make_optimizer(model, 1e-2, 0.0, 0)
         own = rollout.own(minibatch)
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
@@ -242,10 +246,10 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
 # ----- synced generation ------------------------------------------------------------------------------------
 
 
-def generate_setup(rank: int, model, tokenizer) -> tuple[common.HFEngine, list[list[int]]]:
+def generate_setup(rank: int, model, tokenizer) -> tuple[engines.HFEngine, list[list[int]]]:
     """Rank r's engine and prompts. Rank 0: every token ends a row (its rows end after one token, then it only
     steps for the collectives); rank 1: no token ends a row (it runs every step)."""
-    engine = common.HFEngine(model, tokenizer, gen_batch_size=8, return_logps=True)
+    engine = engines.HFEngine(model, tokenizer, gen_batch_size=8, return_logps=True)
     if rank == 0:
         engine.eos_ids = set(range(len(tokenizer)))
     else:
@@ -258,9 +262,9 @@ GEN_MAX_NEW = 9
 
 
 def run_generate(model_path: str, out_path: str) -> None:
-    world = common.init_world()
-    tokenizer = common.load_tokenizer(model_path)
-    model = common.shard_model(common.load_model(model_path, torch.device("cpu")))
+    world = infra.init_world()
+    tokenizer = infra.load_tokenizer(model_path)
+    model = infra.shard_model(infra.load_model(model_path, torch.device("cpu")))
     engine, prompts = generate_setup(world.rank, model, tokenizer)
     torch.manual_seed(11)
     ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)
@@ -301,10 +305,10 @@ def fail_each_rank() -> None:
     import grpo
 
     def failing_main(args) -> None:
-        raise common.RunError(f"rank {os.environ.get('RANK')}'s own failure")
+        raise verifiers.RunError(f"rank {os.environ.get('RANK')}'s own failure")
 
     sys.argv = [sys.argv[0]]
-    common.run_cli(failing_main, grpo.Args)
+    infra.run_cli(failing_main, grpo.Args)
 
 
 def main() -> None:

@@ -9,38 +9,21 @@ import shutil
 import pytest
 import torch
 
-import common
 import grpo
+import infra
+import verifiers
 from tests import tiny
 
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ckpt_toy")
-    model = tiny.make_tiny_model(str(d / "model"))
     rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghij"]
-    return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows)}
+    return tiny.toy_task(tmp_path_factory.mktemp("ckpt_toy"), rows=rows)
 
 
 def _args(toy, out, name, steps, **kw):
-    settings = dict(
-        model=toy["model"],
-        dataset=toy["data"],
-        reward="arith",
-        total_steps=steps,
-        prompts_per_step=2,
-        num_generations=4,
-        max_new_tokens=3,
-        learning_rate=3e-3,
-        warmup_updates=1,
-        updates_per_batch=2,
-        eval_limit=2,
-        eval_samples=1,
-        eval_k=[1],
-        output_dir=str(out),
-        run_name=name,
-    )
-    return grpo.Args(**{**settings, **kw})
+    settings = dict(total_steps=steps, prompts_per_step=2, num_generations=4, updates_per_batch=2, eval_samples=1, eval_k=[1])
+    return grpo.Args(**tiny.run_settings(toy, out, name, **{**settings, **kw}))
 
 
 def _rows(run_dir):
@@ -82,7 +65,7 @@ def test_final_model_is_a_complete_hf_folder_without_optimizer_state(trained, to
         "tokenizer_config.json",
     } <= names, names
     assert not [n for n in names if n.endswith((".pt", ".bin", ".pth")) or "optim" in n], names
-    assert common.hf_folder_problem(str(final)) is None
+    assert infra.hf_folder_problem(str(final)) is None
     model = AutoModelForCausalLM.from_pretrained(str(final))
     assert model.config.use_cache is True  # training switches it off; the saved model generates with the KV cache
     assert AutoTokenizer.from_pretrained(str(final)).chat_template == tiny.CHAT_TEMPLATE
@@ -101,7 +84,7 @@ def test_final_model_path_is_printed_and_written_without_save_every(toy, tmp_pat
     grpo.main(_args(toy, tmp_path, "plain", 1))
     out = capsys.readouterr().out
     assert f"final model: {tmp_path / 'plain' / 'final'}" in out
-    assert common.hf_folder_problem(str(tmp_path / "plain" / "final")) is None
+    assert infra.hf_folder_problem(str(tmp_path / "plain" / "final")) is None
     assert not os.path.exists(tmp_path / "plain" / "checkpoints")
     assert not [n for n in os.listdir(tmp_path / "plain") if n.startswith(".tmp")]
 
@@ -148,7 +131,7 @@ def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metri
         assert a.keys() == b.keys()
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
-    assert common.hf_folder_problem(str(run / "final")) is None
+    assert infra.hf_folder_problem(str(run / "final")) is None
 
 
 # ----- unit level: no training
@@ -158,15 +141,15 @@ def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metri
 def saved(toy, tmp_path):
     """A run folder with checkpoints at steps 1, 2, 3 of the tiny model (optimizer state non-empty)."""
     device = torch.device("cpu")
-    model = common.load_model(toy["model"], device)
-    tokenizer = common.load_tokenizer(toy["model"])
-    optimizer, scheduler = common.make_optimizer(model, 1e-3, 0.0, 1)
+    model = infra.load_model(toy["model"], device)
+    tokenizer = infra.load_tokenizer(toy["model"])
+    optimizer, scheduler = infra.make_optimizer(model, 1e-3, 0.0, 1)
     run = tmp_path / "run"
     for step in (1, 2, 3):
         model(torch.tensor([[3, 4, 5]])).logits.mean().backward()
         optimizer.step()
         scheduler.step()
-        common.save_checkpoint(
+        infra.save_checkpoint(
             str(run), step, model, tokenizer, optimizer, scheduler, {"update": step, "sampler": {"epoch": 0, "pos": step}}
         )
     return {"run": run, "model": model, "tokenizer": tokenizer, "optimizer": optimizer, "scheduler": scheduler}
@@ -182,49 +165,49 @@ def _cut(path, n=10):
 
 def test_find_resume_falls_back_to_the_newest_complete_checkpoint(saved, capsys):
     run = saved["run"]
-    run_dir, model_dir, state = common.find_resume(str(run))
+    run_dir, model_dir, state = infra.find_resume(str(run))
     assert (run_dir, model_dir, state["step"]) == (str(run), str(_ck(run, 3) / "model"), 3)
     _cut(_ck(run, 3) / "model" / "model.safetensors")
-    _, model_dir, state = common.find_resume(str(run))
+    _, model_dir, state = infra.find_resume(str(run))
     assert model_dir == str(_ck(run, 2) / "model") and state["step"] == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step_000003 (model.safetensors is truncated" in err[0], err
     (_ck(run, 2) / "trainer_state.pt").write_bytes(b"not a zip")
-    _, model_dir, state = common.find_resume(str(run))
+    _, model_dir, state = infra.find_resume(str(run))
     assert state["step"] == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step_000003" in err[0] and "step_000002 (trainer_state.pt is unreadable" in err[0]
     _cut(_ck(run, 1) / "model" / "config.json")
     with pytest.raises(
-        common.UserError,
+        verifiers.UserError,
         match="no complete checkpoint: step_000003 .*; step_000002 .*; step_000001 "
         r"\(config.json .* is unreadable or cut off",
     ):
-        common.find_resume(str(run))
+        infra.find_resume(str(run))
 
 
 def test_find_resume_explicit_checkpoint_and_finished_run(saved):
     run = saved["run"]
     for path in (_ck(run, 2), _ck(run, 2) / "model", str(_ck(run, 2)) + "/"):
-        run_dir, model_dir, state = common.find_resume(str(path))
+        run_dir, model_dir, state = infra.find_resume(str(path))
         assert (run_dir, model_dir, state["step"]) == (str(run), str(_ck(run, 2) / "model"), 2)
-    with pytest.raises(common.UserError, match="checkpoint is at step 3, --total-steps is 3: nothing left"):
-        common.find_resume(str(run), total_steps=3)
-    assert common.find_resume(str(run), total_steps=4)[2]["step"] == 3
+    with pytest.raises(verifiers.UserError, match="checkpoint is at step 3, --total-steps is 3: nothing left"):
+        infra.find_resume(str(run), total_steps=3)
+    assert infra.find_resume(str(run), total_steps=4)[2]["step"] == 3
     _cut(_ck(run, 2) / "trainer_state.pt", 100)
-    with pytest.raises(common.UserError, match="broken checkpoint .*trainer_state.pt is unreadable.*pass the run folder"):
-        common.find_resume(str(_ck(run, 2)))
-    with pytest.raises(common.UserError, match="no checkpoint found"):
-        common.find_resume(str(run / "nothing"))
+    with pytest.raises(verifiers.UserError, match="broken checkpoint .*trainer_state.pt is unreadable.*pass the run folder"):
+        infra.find_resume(str(_ck(run, 2)))
+    with pytest.raises(verifiers.UserError, match="no checkpoint found"):
+        infra.find_resume(str(run / "nothing"))
 
 
 def test_model_flag_takes_a_checkpoint_folder(saved, tmp_path):
     ck = _ck(saved["run"], 2)
-    assert common.resolve_model_path(str(ck)) == str(ck / "model")
-    common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+    assert infra.resolve_model_path(str(ck)) == str(ck / "model")
+    infra.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
     _cut(ck / "model" / "model.safetensors")
-    with pytest.raises(common.UserError, match="model.safetensors is truncated"):
-        common.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
+    with pytest.raises(verifiers.UserError, match="model.safetensors is truncated"):
+        infra.validate_args(grpo.Args(model=str(ck), output_dir=str(tmp_path / "runs")))
 
 
 def test_checkpoints_of_the_old_layout_still_resume(saved):
@@ -233,16 +216,16 @@ def test_checkpoints_of_the_old_layout_still_resume(saved):
     for name in os.listdir(ck / "model"):
         os.replace(ck / "model" / name, ck / name)
     os.rmdir(ck / "model")
-    _, model_dir, state = common.find_resume(str(saved["run"]))
+    _, model_dir, state = infra.find_resume(str(saved["run"]))
     assert model_dir == str(ck) and state["step"] == 3
 
 
 def test_trainer_state_restores_optimizer_and_rng(saved):
-    _, _, state = common.find_resume(str(saved["run"]))
-    model = common.load_model(str(_ck(saved["run"], 3) / "model"), torch.device("cpu"))
-    optimizer, scheduler = common.make_optimizer(model, 1e-3, 0.0, 1)
+    _, _, state = infra.find_resume(str(saved["run"]))
+    model = infra.load_model(str(_ck(saved["run"], 3) / "model"), torch.device("cpu"))
+    optimizer, scheduler = infra.make_optimizer(model, 1e-3, 0.0, 1)
     torch.manual_seed(123)
-    common.load_trainer_state(state, optimizer, scheduler, model)
+    infra.load_trainer_state(state, optimizer, scheduler, model)
     a, b = optimizer.state_dict()["state"], saved["optimizer"].state_dict()["state"]
     assert a.keys() == b.keys() and all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
     assert scheduler.state_dict()["last_epoch"] == 3
@@ -251,11 +234,11 @@ def test_trainer_state_restores_optimizer_and_rng(saved):
 
 def test_keep_last_never_removes_the_new_or_a_newer_checkpoint(saved):
     run, s = saved["run"], saved
-    common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
+    infra.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
     # resumed from an older checkpoint: rewriting step 2 keeps steps 3 and 4 (the run will overwrite them)
-    common.save_checkpoint(str(run), 2, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
+    infra.save_checkpoint(str(run), 2, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
     assert sorted(os.listdir(run / "checkpoints")) == ["step_000001", "step_000002", "step_000003", "step_000004"]
-    common.save_checkpoint(str(run), 5, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
+    infra.save_checkpoint(str(run), 5, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, keep_last=2)
     assert sorted(os.listdir(run / "checkpoints")) == ["step_000004", "step_000005"]
 
 
@@ -264,24 +247,24 @@ def test_save_removes_half_written_tmp_folders(saved, capsys):
     stale = run / "checkpoints" / ".tmp_step_000009_424242"
     (stale / "model").mkdir(parents=True)
     capsys.readouterr()
-    common.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
+    infra.save_checkpoint(str(run), 4, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {})
     assert not [n for n in os.listdir(run / "checkpoints") if n.startswith(".")]
     assert "removed 1 half-written" in capsys.readouterr().out
     (run / ".tmp_final_424242").mkdir()
-    common.save_final_model(str(run), s["model"], s["tokenizer"])
+    infra.save_final_model(str(run), s["model"], s["tokenizer"])
     assert not [n for n in os.listdir(run) if n.startswith(".")]
 
 
 def test_safetensors_completeness_check(saved):
     path = _ck(saved["run"], 1) / "model" / "model.safetensors"
-    assert common._safetensors_problem(str(path)) is None
+    assert infra._safetensors_problem(str(path)) is None
     full = path.read_bytes()
     path.write_bytes(full[:-1])
-    assert "truncated" in common._safetensors_problem(str(path))
+    assert "truncated" in infra._safetensors_problem(str(path))
     path.write_bytes(full[:6])
-    assert "truncated or unreadable" in common._safetensors_problem(str(path))
+    assert "truncated or unreadable" in infra._safetensors_problem(str(path))
     path.write_bytes(full[:8] + b"{not json" + full[17:])
-    assert "unreadable" in common._safetensors_problem(str(path))
+    assert "unreadable" in infra._safetensors_problem(str(path))
 
 
 def test_torn_metrics_line_is_dropped_and_the_file_rewritten_atomically(tmp_path, capsys, monkeypatch):
@@ -293,7 +276,7 @@ def test_torn_metrics_line_is_dropped_and_the_file_rewritten_atomically(tmp_path
     replaced = []
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((a, b)), real_replace(a, b)))
-    logger = common.open_run_logger(str(run), grpo.Args(), resume_from_step=2)
+    logger = infra.open_run_logger(str(run), grpo.Args(), resume_from_step=2)
     logger.close()
     assert _rows(run) == [r for r in rows if r["step"] <= 2]
     with open(run / "samples.jsonl") as f:

@@ -15,6 +15,8 @@ import torch
 import codapo
 import common
 import grpo
+import infra
+import verifiers
 from tests import tiny
 
 # ----- weights: w_q = exp(mean_i mean_t old_logp) * 4 p (1 - p) + offset
@@ -229,16 +231,16 @@ def test_focus_sampler_pending_focus_and_state():
 
 
 def test_flags_ablations_parse():
-    args = common.parse_args(codapo.Args, [])
+    args = infra.parse_args(codapo.Args, [])
     assert args.codapo_weighting and args.focused_step and args.codapo_offset == 0.1
     assert args.codapo_percentile == 0.75 and args.repeat_count == 4 and args.codapo_std_eps == 1e-6
-    args = common.parse_args(codapo.Args, ["--no-codapo-weighting", "--no-focused-step", "--repeat-count", "2"])
+    args = infra.parse_args(codapo.Args, ["--no-codapo-weighting", "--no-focused-step", "--repeat-count", "2"])
     assert not args.codapo_weighting and not args.focused_step and args.repeat_count == 2
-    args = common.parse_args(codapo.Args, ["--codapo-weighting", "false", "--focused_step", "true"])
+    args = infra.parse_args(codapo.Args, ["--codapo-weighting", "false", "--focused_step", "true"])
     assert not args.codapo_weighting and args.focused_step
     for bad in (["--repeat-count", "0"], ["--codapo-percentile", "1.5"]):
-        with pytest.raises(common.UserError):
-            common.parse_args(codapo.Args, bad)
+        with pytest.raises(verifiers.UserError):
+            infra.parse_args(codapo.Args, bad)
 
 
 # ----- dual clip (official verl loss, clip_ratio_c = 3): A < 0 tokens capped at c |A|
@@ -326,12 +328,12 @@ def test_dual_clip_off_is_the_plain_loss_exactly(loss_agg):
 
 
 def test_dual_clip_flag():
-    assert common.parse_args(codapo.Args, []).dual_clip_c == 0.0  # off: the default run's loss is unchanged
-    assert common.parse_args(codapo.Args, ["--dual-clip-c", "3"]).dual_clip_c == 3.0
-    assert common.parse_args(codapo.Args, ["--dual-clip-c", "-1"]).dual_clip_c == -1.0  # also off
+    assert infra.parse_args(codapo.Args, []).dual_clip_c == 0.0  # off: the default run's loss is unchanged
+    assert infra.parse_args(codapo.Args, ["--dual-clip-c", "3"]).dual_clip_c == 3.0
+    assert infra.parse_args(codapo.Args, ["--dual-clip-c", "-1"]).dual_clip_c == -1.0  # also off
     for bad in ("1", "0.5", "nan"):
-        with pytest.raises(common.UserError, match="--dual-clip-c"):
-            common.parse_args(codapo.Args, ["--dual-clip-c", bad])
+        with pytest.raises(verifiers.UserError, match="--dual-clip-c"):
+            infra.parse_args(codapo.Args, ["--dual-clip-c", bad])
 
 
 def test_paper_scale_line_makes_the_official_number_of_updates():
@@ -340,7 +342,7 @@ def test_paper_scale_line_makes_the_official_number_of_updates():
     doc = codapo.__doc__
     start = doc.index("python codapo.py --model Qwen/Qwen2.5-Math-1.5B")
     line = doc[start : doc.index("# GPU", start)].replace("\\\n", " ").split()[2:]
-    args = common.parse_args(codapo.Args, line)
+    args = infra.parse_args(codapo.Args, line)
     assert (args.prompts_per_step, args.num_generations) == (16, 8)
     assert args.prompts_per_step * args.num_generations // args.updates_per_batch == 16  # trajectories per update
     assert args.dual_clip_c == 3.0 and args.learning_rate == 1e-6 and args.max_new_tokens == 3072
@@ -351,36 +353,13 @@ def test_paper_scale_line_makes_the_official_number_of_updates():
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("codapo_toy")
-    model = tiny.make_tiny_model(str(d / "model"))
-    rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
+    toy = tiny.toy_task(tmp_path_factory.mktemp("codapo_toy"))
     never = [{"question": f"Say it {w}", "answer": "12345678"} for w in "abcdefgh"]  # 8 digits > 3 tokens: r = 0
-    return {
-        "model": model,
-        "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows),
-        "never": tiny.write_jsonl(str(d / "never.jsonl"), never),
-    }
+    return {**toy, "never": tiny.write_jsonl(str(toy["dir"] / "never.jsonl"), never)}
 
 
 def _run(mod, toy, out, run_name, steps, **overrides):
-    settings = dict(
-        model=toy["model"],
-        dataset=toy["data"],
-        reward="arith",
-        total_steps=steps,
-        prompts_per_step=4,
-        num_generations=8,
-        max_new_tokens=3,
-        learning_rate=3e-3,
-        warmup_updates=1,
-        eval_limit=2,
-        eval_samples=2,
-        eval_k=[2],
-        output_dir=str(out),
-        run_name=run_name,
-    )
-    settings.update(overrides)
-    mod.main(mod.Args(**settings))
+    mod.main(mod.Args(**tiny.run_settings(toy, out, run_name, total_steps=steps, **overrides)))
     with open(os.path.join(out, run_name, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

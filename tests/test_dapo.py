@@ -1,4 +1,4 @@
-"""DAPO's options in common.Args (arXiv:2503.14476), each off by default: --zero-variance mask, --dynamic-sampling
+"""DAPO's options in infra.Args (arXiv:2503.14476), each off by default: --zero-variance mask, --dynamic-sampling
 with --max-sampling-rounds, --overlong-buffer / --overlong-penalty, --truncated mask.
 
 Hand values for the pieces (the overlong penalty, the rows that leave the loss, dynamic sampling's slots), then the
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import common
-from tests import tiny
+import infra
+import verifiers
+from tests import references, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = os.path.join(ROOT, "tests", "dapo_rewards.py") + ":reward"
@@ -34,7 +36,7 @@ def test_overlong_penalty_by_hand():
 
 def _rollout(lengths, reasons, prompt=(5, 6)):
     completions = [[7] * n for n in lengths]
-    return common.rollout_from_rows([list(prompt)] * len(lengths), completions, [""] * len(lengths), reasons)
+    return references.rollout_from_rows([list(prompt)] * len(lengths), completions, [""] * len(lengths), reasons)
 
 
 def test_shaping_masks_truncated_rows_and_keeps_eos_at_the_limit():
@@ -102,7 +104,7 @@ def _round(rewards_by_group, G=2, tag=0):
     """A round: P groups with the given rewards; completion tokens tell (round tag, group, row)."""
     P = len(rewards_by_group)
     rows = [[100 + tag, g, j] for g in range(P) for j in range(G)]
-    rollout = common.rollout_from_rows(
+    rollout = references.rollout_from_rows(
         [[1, g] for g in range(P) for _ in range(G)],
         rows,
         [f"{tag}/{g}/{j}" for g in range(P) for j in range(G)],
@@ -180,10 +182,8 @@ def test_dynamic_sampling_fills_each_ranks_slots_with_its_own_groups(monkeypatch
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dapo")
-    model = tiny.make_tiny_model(str(d / "model"))
     rows = [{"question": f"Say {w}", "answer": "0", "kind": kind} for w, kind in zip("abcd", ["zero", "varied"] * 2)]
-    return {"model": model, "data": tiny.write_jsonl(str(d / "kinds.jsonl"), rows)}
+    return tiny.toy_task(tmp_path_factory.mktemp("dapo"), rows=rows)
 
 
 class VariedEngine:
@@ -221,7 +221,7 @@ class VariedEngine:
 
 @pytest.fixture
 def varied_engine(monkeypatch):
-    monkeypatch.setattr(common, "make_engine", lambda kind, model, tokenizer, *a, **k: VariedEngine(tokenizer))
+    monkeypatch.setattr(infra, "make_engine", lambda kind, model, tokenizer, *a, **k: VariedEngine(tokenizer))
 
 
 def _run(method, toy, out, name, steps=1, **overrides):
@@ -229,11 +229,8 @@ def _run(method, toy, out, name, steps=1, **overrides):
 
     mod = importlib.import_module(method)
     settings = dict(
-        model=toy["model"],
-        dataset=toy["data"],
         reward=REWARD,
         total_steps=steps,
-        prompts_per_step=4,
         num_generations=4,
         max_new_tokens=4,
         learning_rate=1e-3,
@@ -243,11 +240,8 @@ def _run(method, toy, out, name, steps=1, **overrides):
         eval_samples=1,
         eval_k=[1],
         log_rollouts_every=1,
-        output_dir=str(out),
-        run_name=name,
     )
-    settings.update(overrides)
-    mod.main(mod.Args(**settings))
+    mod.main(mod.Args(**tiny.run_settings(toy, out, name, **{**settings, **overrides})))
     with open(os.path.join(out, name, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     with open(os.path.join(out, name, "rollouts.jsonl")) as f:
@@ -339,9 +333,9 @@ def test_script_dynamic_sampling_trains_on_varied_groups(toy, tmp_path, method, 
 def test_bad_dapo_flags_are_one_line_errors():
     import grpo
 
-    with pytest.raises(common.UserError, match="--overlong-buffer 40: must be in"):
+    with pytest.raises(verifiers.UserError, match="--overlong-buffer 40: must be in"):
         grpo.Args(max_new_tokens=32, overlong_buffer=40)
-    with pytest.raises(common.UserError, match="--max-sampling-rounds 0"):
+    with pytest.raises(verifiers.UserError, match="--max-sampling-rounds 0"):
         grpo.Args(max_sampling_rounds=0)
-    with pytest.raises(common.UserError, match="--overlong-penalty -1"):
+    with pytest.raises(verifiers.UserError, match="--overlong-penalty -1"):
         grpo.Args(overlong_penalty=-1.0)

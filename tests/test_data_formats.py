@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import common
+import infra
 import verifiers
 from tests import tiny
 
@@ -132,10 +133,10 @@ def run_main(method, argv, monkeypatch, capsys):
     def stop(*a, **k):
         raise Loaded("load_model")
 
-    monkeypatch.setattr(common, "load_model", stop)
+    monkeypatch.setattr(infra, "load_model", stop)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", *argv])
     try:
-        common.run_cli(mod.main, mod.Args)
+        infra.run_cli(mod.main, mod.Args)
     except SystemExit as exc:
         return exc.code, capsys.readouterr()
     return 0, capsys.readouterr()
@@ -158,7 +159,7 @@ def test_completion_longer_than_the_context_is_refused_before_the_weights_load(m
     assert "exceed the model's context of 256 tokens" in errors[0] and "at most" in errors[0]
     mod = importlib.import_module("grpo")
     with pytest.raises(Loaded):  # a completion that fits gets past the check, to the weights
-        mod.main(common.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
+        mod.main(infra.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
 
 
 def test_context_length_is_the_longest_prompt_of_train_and_eval(tmp_path):
@@ -167,8 +168,8 @@ def test_context_length_is_the_longest_prompt_of_train_and_eval(tmp_path):
     rows = PLAIN_ROWS + [{"question": "What is " + "1 + " * 20 + "1?", "answer": "21"}]
     task = verifiers.load_task(write(tmp_path, "d.jsonl", rows), "train", 0)
     longest = max(len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems)
-    assert common.context_length(model, tok, task, [[[1, 2, 3]]], "", 10) == longest + 10
-    assert common.context_length(model, tok, None, [[[1] * 40]], "", 10) == 50  # eval-only: the eval prompts
+    assert infra.context_length(model, tok, task, [[[1, 2, 3]]], "", 10) == longest + 10
+    assert infra.context_length(model, tok, None, [[[1] * 40]], "", 10) == 50  # eval-only: the eval prompts
 
 
 # ----- set-up and summary
@@ -186,9 +187,9 @@ def test_requirements_ask_only_for_extras_their_packages_provide():
 
 
 def test_eval_only_summary_shows_one_value_per_metric(capsys):
-    common.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
+    infra.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
     out = capsys.readouterr().out
     assert "eval/pass@1    0.5000" in out and "eval/pass@4    0.7500" in out
     assert "before" not in out and "n/a" not in out
-    common.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
+    infra.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
     assert "before 0.2500  after 0.5000" in capsys.readouterr().out

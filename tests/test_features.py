@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import common
 import grpo
+import infra
 import verifiers
 from tests import tiny
 
@@ -61,48 +61,17 @@ NOT_A_FUNCTION = 3
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     d = tmp_path_factory.mktemp("features")
-    model = tiny.make_tiny_model(str(d / "model"))
-    rows = [{"question": f"Say two {w}", "answer": "2", "bonus": 1.5} for w in "abcdefghijklmnop"]
-    data = tiny.write_jsonl(str(d / "toy.jsonl"), rows)
+    toy = tiny.toy_task(d, rows=[{"question": f"Say two {w}", "answer": "2", "bonus": 1.5} for w in tiny.TOY_WORDS])
     other = tiny.write_jsonl(
         str(d / "other.jsonl"), [{"question": f"Say one {w}", "answer": "1"} for w in "abcdefghijklmnopqrst"]
     )
     reward_file = d / "myreward.py"
     reward_file.write_text(REWARD_FILE)
-    return {"model": model, "data": data, "other": other, "reward_file": str(reward_file), "dir": d}
+    return {**toy, "other": other, "reward_file": str(reward_file)}
 
 
 def flags(toy, out, run_name, steps=2):
-    return [
-        "--model",
-        toy["model"],
-        "--dataset",
-        toy["data"],
-        "--reward",
-        "arith",
-        "--total-steps",
-        str(steps),
-        "--prompts-per-step",
-        "4",
-        "--num-generations",
-        "8",
-        "--max-new-tokens",
-        "3",
-        "--learning-rate",
-        "3e-3",
-        "--warmup-updates",
-        "1",
-        "--eval-limit",
-        "2",
-        "--eval-samples",
-        "2",
-        "--eval-k",
-        "2",
-        "--output-dir",
-        str(out),
-        "--run-name",
-        run_name,
-    ]
+    return tiny.run_flags(toy, out, run_name, total_steps=steps)
 
 
 def with_flag(argv, name, *values):
@@ -191,7 +160,7 @@ def test_extra_fields_pass_through_and_builtin_kinds_unchanged(tmp_path):
 )
 def test_broken_custom_reward_stops_the_run(fn, needle, toy):
     task = verifiers.load_task(toy["data"], "train", 1, reward=f"{toy['reward_file']}:{fn}")
-    with pytest.raises(common.RunError) as err:
+    with pytest.raises(verifiers.RunError) as err:
         verifiers.compute_rewards(task, task.problems[:2], ["2", "2"])
     assert needle in str(err.value) and f"myreward.py:{fn}" in str(err.value) and "\n" not in str(err.value)
 
@@ -222,16 +191,16 @@ def test_bad_reward_spec_is_one_line_before_any_model_load(spec, needle, toy, tm
     def no_model(*a, **k):
         raise AssertionError("a model was loaded before the reward was checked")
 
-    monkeypatch.setattr(common, "load_model", no_model)
-    monkeypatch.setattr(common, "load_tokenizer", no_model)
-    with pytest.raises(common.UserError, match="--reward"):
-        grpo.main(common.parse_args(grpo.Args, argv))
+    monkeypatch.setattr(infra, "load_model", no_model)
+    monkeypatch.setattr(infra, "load_tokenizer", no_model)
+    with pytest.raises(verifiers.UserError, match="--reward"):
+        grpo.main(infra.parse_args(grpo.Args, argv))
 
 
 def test_reward_module_that_fails_to_import(tmp_path):
     bad = tmp_path / "broken.py"
     bad.write_text("def reward(c, p):\n    return 1.0\nraise RuntimeError('config missing')\n")
-    with pytest.raises(common.UserError, match="importing .*broken.py failed: RuntimeError: config missing"):
+    with pytest.raises(verifiers.UserError, match="importing .*broken.py failed: RuntimeError: config missing"):
         verifiers.load_custom_reward(f"{bad}:reward")
 
 
@@ -246,7 +215,7 @@ def test_custom_reward_raising_mid_run_is_one_line_exit_1(toy, tmp_path):
 
 def test_rollouts_dump_with_custom_reward(toy, tmp_path):
     spec = f"{toy['reward_file']}:reward"
-    args = common.parse_args(
+    args = infra.parse_args(
         grpo.Args, with_flag(with_flag(flags(toy, tmp_path, "dump", 3), "--reward", spec), "--log-rollouts-every", "2")
     )
     grpo.main(args)
@@ -284,7 +253,7 @@ def test_rollouts_dump_with_custom_reward(toy, tmp_path):
 
 
 def test_rollouts_dump_off_by_default_and_cut_on_resume(toy, tmp_path):
-    args = common.parse_args(grpo.Args, flags(toy, tmp_path, "plain", 1))
+    args = infra.parse_args(grpo.Args, flags(toy, tmp_path, "plain", 1))
     assert args.log_rollouts_every == 0
     grpo.main(args)
     assert not (tmp_path / "plain" / "rollouts.jsonl").exists()
@@ -293,7 +262,7 @@ def test_rollouts_dump_off_by_default_and_cut_on_resume(toy, tmp_path):
     tiny.write_jsonl(str(run / "rollouts.jsonl"), [{"step": s, "reward": 0.0} for s in (1, 1, 2, 3, 3)])
     with open(run / "rollouts.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # the kill that stopped the run cut a row short
-    common.open_run_logger(str(run), args, resume_from_step=2).close()  # rows after the checkpoint are re-created later
+    infra.open_run_logger(str(run), args, resume_from_step=2).close()  # rows after the checkpoint are re-created later
     assert [r["step"] for r in read_jsonl(run / "rollouts.jsonl")] == [1, 1, 2]
 
 
@@ -316,9 +285,9 @@ def test_several_eval_sets(toy, tmp_path, capsys):
         "--eval-limit",
         "3",
     ]
-    grpo.main(common.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"], "--run-name", "suite"]))
+    grpo.main(infra.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"], "--run-name", "suite"]))
     out = capsys.readouterr().out
-    grpo.main(common.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["other"], "--run-name", "one"]))
+    grpo.main(infra.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["other"], "--run-name", "one"]))
     (suite,) = read_jsonl(tmp_path / "suite" / "metrics.jsonl")
     (one,) = read_jsonl(tmp_path / "one" / "metrics.jsonl")
     for label in ("toy", "other"):
@@ -348,7 +317,7 @@ def test_eval_set_labels_and_duplicates(toy, tmp_path):
     assert verifiers.eval_set_label("/a/b/data.jsonl.gz") == "data"
     assert verifiers.eval_set_label("owner/name") == "name"
     copy = tiny.write_jsonl(str(tmp_path / "toy.json"), [{"question": "q", "answer": "1"}] * 5)
-    with pytest.raises(common.UserError, match="both log as eval/toy/"):
+    with pytest.raises(verifiers.UserError, match="both log as eval/toy/"):
         verifiers.load_eval_tasks([toy["data"], copy], "arith", 1, None, None, "arith", 0)
     (task,) = verifiers.load_eval_tasks([], "arith", 1, None, None, "auto", 7)
     assert task.name == "arith" and len(task.problems) == 7  # default: the held-out split of --dataset
@@ -358,10 +327,10 @@ def test_eval_set_labels_and_duplicates(toy, tmp_path):
 
 
 def test_config_replays_a_run_and_flags_override(toy, tmp_path):
-    original = common.parse_args(grpo.Args, flags(toy, tmp_path, "orig", 2))
+    original = infra.parse_args(grpo.Args, flags(toy, tmp_path, "orig", 2))
     grpo.main(original)
     path = str(tmp_path / "orig" / "args.json")
-    replay = common.parse_args(grpo.Args, ["--config", path])
+    replay = infra.parse_args(grpo.Args, ["--config", path])
     saved = json.load(open(path))
     expected = dict(saved, config=path, run_name="")  # run_name is not replayed: a replay is a new run
     assert dataclasses_asdict(replay) == expected
@@ -376,7 +345,7 @@ def test_config_replays_a_run_and_flags_override(toy, tmp_path):
         training(read_jsonl(tmp_path / new_dir / "metrics.jsonl")),
     )
     assert len(a) == len(b) > 2 and a == b  # identical training and eval metrics, row for row
-    over = common.parse_args(grpo.Args, ["--config", path, "--total-steps", "5", "--eval-k", "1", "--beta", "0.1"])
+    over = infra.parse_args(grpo.Args, ["--config", path, "--total-steps", "5", "--eval-k", "1", "--beta", "0.1"])
     assert (over.total_steps, over.eval_k, over.beta, over.max_new_tokens) == (5, [1], 0.1, 3)
 
 
@@ -390,7 +359,7 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
     pytest.importorskip("yaml")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("total_steps: 3\nlearning_rate: 1\neval_dataset: ''\neval_k: [1, 2]\ngradient_checkpointing: true\n")
-    args = common.parse_args(grpo.Args, ["--config", str(cfg)])
+    args = infra.parse_args(grpo.Args, ["--config", str(cfg)])
     assert (args.total_steps, args.learning_rate, args.eval_dataset, args.eval_k, args.gradient_checkpointing) == (
         3,
         1.0,
@@ -400,8 +369,8 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
     )
     assert isinstance(args.learning_rate, float)
     cfg.write_text("eval_dataset: math500\n")  # an args.json written before eval_dataset became a list
-    assert common.parse_args(grpo.Args, ["--config", str(cfg)]).eval_dataset == ["math500"]
-    assert common.parse_args(grpo.Args, ["--config", str(cfg), "--eval-dataset", "a", "b"]).eval_dataset == ["a", "b"]
+    assert infra.parse_args(grpo.Args, ["--config", str(cfg)]).eval_dataset == ["math500"]
+    assert infra.parse_args(grpo.Args, ["--config", str(cfg), "--eval-dataset", "a", "b"]).eval_dataset == ["a", "b"]
 
 
 @pytest.mark.parametrize(
@@ -422,8 +391,8 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
 def test_bad_config_is_one_line(content, needle, toy, tmp_path):
     cfg = tmp_path / "args.json"
     cfg.write_text(content if isinstance(content, str) else json.dumps(content))
-    with pytest.raises(common.UserError, match=None) as err:
-        common.parse_args(grpo.Args, ["--config", str(cfg)])
+    with pytest.raises(verifiers.UserError, match=None) as err:
+        infra.parse_args(grpo.Args, ["--config", str(cfg)])
     assert needle in str(err.value), str(err.value)
     if needle.startswith("unknown argument 'bogus'"):  # and through the real CLI: one line, exit 2
         assert needle in one_error_line(run_cli(["--config", str(cfg)]), 2)
@@ -434,7 +403,7 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
 
     cfg = tmp_path / "args.json"
     cfg.write_text(json.dumps({"exp_name": "grpo_clip28", "run_name": "old", "resume": "runs/old", "clip_high": 0.28}))
-    args = common.parse_args(grpo.Args, ["--config", str(cfg)])
+    args = infra.parse_args(grpo.Args, ["--config", str(cfg)])
     assert (args.exp_name, args.run_name, args.resume, args.clip_high) == ("grpo_clip28", "", "", 0.28)
     err = capsys.readouterr().err
     assert "exp_name 'grpo_clip28'" in err and "run_name 'old' is not replayed" in err
@@ -442,13 +411,13 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
     full = dict(json.load(open(cfg)), exp_name="grpo", scale_rewards="group")
     cfg.write_text(json.dumps(full))
     with pytest.raises(
-        common.UserError, match="unknown argument 'scale_rewards' for codapo.py; the file is from exp_name 'grpo'"
+        verifiers.UserError, match="unknown argument 'scale_rewards' for codapo.py; the file is from exp_name 'grpo'"
     ):
-        common.parse_args(codapo.Args, ["--config", str(cfg)])
-    with pytest.raises(common.UserError, match="no such file"):
-        common.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
-    with pytest.raises(common.UserError, match=r"unknown argument\(s\): --no-such-flag"):
-        common.parse_args(grpo.Args, ["--no-such-flag", "1"])
+        infra.parse_args(codapo.Args, ["--config", str(cfg)])
+    with pytest.raises(verifiers.UserError, match="no such file"):
+        infra.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
+    with pytest.raises(verifiers.UserError, match=r"unknown argument\(s\): --no-such-flag"):
+        infra.parse_args(grpo.Args, ["--no-such-flag", "1"])
 
 
 @pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
@@ -459,7 +428,7 @@ def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path
     argv = with_flag(
         with_flag(flags(toy, tmp_path, "m", 2), "--log-rollouts-every", "1"), "--eval-dataset", toy["data"], toy["other"]
     ) + override_flags(method)
-    args = common.parse_args(mod.Args, argv)
+    args = infra.parse_args(mod.Args, argv)
     mod.main(args)
     rows = read_jsonl(tmp_path / "m" / "rollouts.jsonl")
     B = args.prompts_per_step * args.num_generations

@@ -216,10 +216,10 @@ def test_kl_term_k3_matches_grpo():
 
 
 def test_bad_settings_raise_user_error():
-    import common
+    import verifiers
 
-    with pytest.raises(common.UserError):
+    with pytest.raises(verifiers.UserError):
         gapo.Args(clip_low=0.2, clip_high_max=0.1)
-    with pytest.raises(common.UserError):
+    with pytest.raises(verifiers.UserError):
         gapo.Args(focal_gamma=-1.0)
     gapo.Args(clip_mode="fixed", clip_low=0.2, clip_high_max=0.1)  # a fixed bound may sit anywhere

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 import common
+import engines
 import grpo
+import infra
 import verifiers
+from tests import references
 from tests import tiny as tiny_mod
 
 
@@ -110,7 +113,7 @@ def tiny(tmp_path_factory):
     from tests import tiny as tiny_mod
 
     path = tiny_mod.make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-    return common.load_tokenizer(path), common.load_model(path, torch.device("cpu"))
+    return infra.load_tokenizer(path), infra.load_model(path, torch.device("cpu"))
 
 
 def _naive_logps(model, tb, temperature):
@@ -152,7 +155,7 @@ def test_pad_batch_layout():
 def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
     tok, model = tiny
     eos = tok.eos_token_id
-    engine = common.HFEngine(model, tok, gen_batch_size=8, return_logps=True)
+    engine = engines.HFEngine(model, tok, gen_batch_size=8, return_logps=True)
     model.train()
     prompts = [common.format_prompt(tok, "What is 1 + 2?"), common.format_prompt(tok, "Hi")]
     torch.manual_seed(0)
@@ -178,7 +181,7 @@ def test_hf_engine_eos_masks_and_engine_logps_match_trainer(tiny):
 
 def test_micro_batches_respect_budget_and_cover_rows():
     lengths = [10, 3, 7, 7, 2, 9]  # prompt + completion tokens of 6 rows with distinct prompts
-    ro = common.rollout_from_rows([[r + 3] for r in range(6)], [[5] * (n - 1) for n in lengths])
+    ro = references.rollout_from_rows([[r + 3] for r in range(6)], [[5] * (n - 1) for n in lengths])
     mbs = common.micro_batches(ro, range(6), token_budget=16)
     assert sorted(r for mb in mbs for r in mb) == list(range(6))
     for mb in mbs:
@@ -213,7 +216,7 @@ def test_arith_train_and_eval_disjoint_and_tiers_mixed():
 
 def test_batch_logps_of_a_subset_lines_up_with_the_whole_rollout(tiny):
     tok, model = tiny
-    ro = common.rollout_from_rows(
+    ro = references.rollout_from_rows(
         prompt_ids=[[2, 10], [2, 11], [2, 12]],
         completion_ids=[[20, 21, 22, 23], [24], [25, 1]],
         texts=["", "", ""],
@@ -231,7 +234,7 @@ def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
     model = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, -2.0]]))
-    optimizer, scheduler = common.make_optimizer(model, lr=0.1, weight_decay=0.0, warmup_updates=2)
+    optimizer, scheduler = infra.make_optimizer(model, lr=0.1, weight_decay=0.0, warmup_updates=2)
     assert optimizer.defaults["fused"] is True  # CPU fp32 parameters take the fused kernel
     model.weight.grad = torch.tensor([[0.5, -4.0]])
     optimizer.step()
@@ -242,10 +245,10 @@ def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
 
 
 def test_micro_batch_tokens_auto_and_bad_value():
-    assert common.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
-    assert common.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
-    assert common.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
-    with pytest.raises(common.UserError, match="--micro-batch-tokens -1: must be >= 0"):
+    assert infra.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
+    assert infra.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
+    assert infra.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
+    with pytest.raises(verifiers.UserError, match="--micro-batch-tokens -1: must be >= 0"):
         grpo.Args(micro_batch_tokens=-1)  # the flag is checked when the arguments are built, before any device
 
 

@@ -1,5 +1,5 @@
 """Bad input fails with one `error:` line (exit 2) before anything slow: every bad flag before any dataset or
-model is loaded (common.validate_args, the method scripts' own checks, one-line argparse errors), and every data
+model is loaded (infra.validate_args, the method scripts' own checks, one-line argparse errors), and every data
 error in a local dataset file with its `file:line`."""
 
 import gzip
@@ -14,6 +14,7 @@ import time
 import pytest
 
 import common
+import infra
 import verifiers
 from tests import tiny
 
@@ -48,7 +49,7 @@ def run_cli_in_process(method, argv, monkeypatch, capsys):
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", *argv])
     with pytest.raises(SystemExit) as exc:
-        common.run_cli(mod.main, mod.Args)
+        infra.run_cli(mod.main, mod.Args)
     return exc.value.code, capsys.readouterr()
 
 
@@ -157,7 +158,7 @@ def test_valid_flags_get_past_validation(method, no_loading, monkeypatch, capsys
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--output-dir", str(tmp_path)])
     with pytest.raises(Loaded):
-        common.run_cli(mod.main, mod.Args)
+        infra.run_cli(mod.main, mod.Args)
     assert no_loading == ["load_task"]
 
 
@@ -226,7 +227,7 @@ GOOD = b'{"question": "1+1?", "answer": "2"}\n'
 )
 def test_jsonl_data_errors_name_file_and_line(content, line, needle, tmp_path):
     path = _write(tmp_path / "data.jsonl", content)
-    with pytest.raises(common.UserError) as exc:
+    with pytest.raises(verifiers.UserError) as exc:
         verifiers.load_task(path, "train", 0)
     msg = str(exc.value)
     assert msg.startswith(f"{path}:{line}: ") and needle in msg, msg
@@ -240,10 +241,10 @@ def test_utf8_bom_is_accepted(tmp_path):
 
 def test_json_and_gzip_data_errors(tmp_path):
     path = _write(tmp_path / "data.json", b'[\n {"question": "a", "answer": "1"},\n {"question": "b" "answer": "2"}\n]\n')
-    with pytest.raises(common.UserError, match=r"data\.json:3: not valid JSON"):
+    with pytest.raises(verifiers.UserError, match=r"data\.json:3: not valid JSON"):
         verifiers.load_task(path, "train", 0)
     path = _write(tmp_path / "items.json", b'[{"question": "a", "answer": "1"}, 7]')
-    with pytest.raises(common.UserError, match="item 2 of the list is a int"):
+    with pytest.raises(verifiers.UserError, match="item 2 of the list is a int"):
         verifiers.load_task(path, "train", 0)
     path = _write(
         tmp_path / "columns.json",
@@ -253,7 +254,7 @@ def test_json_and_gzip_data_errors(tmp_path):
     assert held_out["answer"] == str("abcde".index(held_out["question"]) + 1)
     gz = tmp_path / "data.jsonl.gz"
     gz.write_bytes(gzip.compress(GOOD * 200)[:-20])  # cut off
-    with pytest.raises(common.UserError, match="cannot read .*data.jsonl.gz"):
+    with pytest.raises(verifiers.UserError, match="cannot read .*data.jsonl.gz"):
         verifiers.load_task(str(gz), "train", 0)
 
 
@@ -282,14 +283,14 @@ def test_data_error_real_cli(tmp_path):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_help_lists_every_flag_with_its_default(method, monkeypatch, capsys):
-    """One dataclass per script (common.Args + the method's own fields): --help shows each flag once, with its
+    """One dataclass per script (infra.Args + the method's own fields): --help shows each flag once, with its
     default (Mu-GRPO's stage defaults included) and the choices of each Literal flag."""
     import dataclasses
 
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--help"])
     with pytest.raises(SystemExit) as exc:
-        common.run_cli(mod.main, mod.Args)
+        infra.run_cli(mod.main, mod.Args)
     assert exc.value.code == 0
     text = capsys.readouterr().out
     entries = {e.split()[0].split(",")[0].split("=")[0]: e for e in ("\n" + text).split("\n  --")[1:]}

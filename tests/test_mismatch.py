@@ -11,9 +11,12 @@ import torch
 
 import codapo
 import common
+import engines
 import gapo
 import grpo
+import infra
 import mugrpo
+import verifiers
 from tests import tiny
 
 LOG_RHO = torch.log(torch.tensor([[1.0, 3.0, 0.25], [1.5, 1.0, 7.0]]))  # rho_t of two sequences
@@ -142,7 +145,7 @@ def test_no_engine_log_probs_is_inert():
 # ----- a stale engine stops the run
 
 
-class CopyEngine(common.HFEngine):
+class CopyEngine(engines.HFEngine):
     """A separate engine: its own copy of the model, updated by push_weights (as vLLM is); `skip` names the wake
     (counted from 1) whose push it skips, as a colocated engine that silently kept its old weights would."""
 
@@ -157,57 +160,21 @@ class CopyEngine(common.HFEngine):
                 self.model.load_state_dict(model.state_dict())
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mismatch")
-    rows = [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"]
-    return {"model": tiny.make_tiny_model(str(d / "model")), "data": tiny.write_jsonl(str(d / "toy.jsonl"), rows)}
-
-
 def _run(method, toy, tmp_path, monkeypatch, skip, extra=()):
     mod = importlib.import_module(method)
-    monkeypatch.setattr(common, "make_engine", lambda kind, model, tokenizer, **kw: CopyEngine(model, tokenizer, skip))
-    argv = [
-        "--model",
-        toy["model"],
-        "--dataset",
-        toy["data"],
-        "--reward",
-        "arith",
-        "--total-steps",
-        "3",
-        "--prompts-per-step",
-        "4",
-        "--num-generations",
-        "8",
-        "--max-new-tokens",
-        "4",
-        "--learning-rate",
-        "0.05",
-        "--warmup-updates",
-        "0",
-        "--eval-limit",
-        "2",
-        "--eval-samples",
-        "2",
-        "--eval-k",
-        "2",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        f"{method}_{skip}",
-        *extra,
-    ]
+    monkeypatch.setattr(infra, "make_engine", lambda kind, model, tokenizer, **kw: CopyEngine(model, tokenizer, skip))
+    settings = dict(total_steps=3, max_new_tokens=4, learning_rate=0.05, warmup_updates=0)
+    argv = [*tiny.run_flags(toy, tmp_path, f"{method}_{skip}", **settings), *extra]
     if method == "mugrpo":
         argv += ["--updates-per-batch", "2"]
-    mod.main(common.parse_args(mod.Args, argv))
+    mod.main(infra.parse_args(mod.Args, argv))
 
 
 @pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
 def test_engine_that_skips_a_push_stops_the_run(method, toy, tmp_path, monkeypatch):
     # wakes: 1 = the evaluation before training, 2 = step 1's rollout, 3 = step 2's: its push is skipped, so step 2
     # samples from the weights before step 1's updates
-    with pytest.raises(common.RunError, match="not sampling from the trainer's weights.*at step 2"):
+    with pytest.raises(verifiers.RunError, match="not sampling from the trainer's weights.*at step 2"):
         _run(method, toy, tmp_path, monkeypatch, skip=3)
 
 
@@ -227,12 +194,12 @@ def test_engine_that_gets_every_push_passes_and_logs_the_mismatch(toy, tmp_path,
 def test_fp16_is_refused_on_cpu(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--dtype", "fp16", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as exc:
-        common.run_cli(grpo.main, grpo.Args)
+        infra.run_cli(grpo.main, grpo.Args)
     assert exc.value.code == 2 and "--dtype fp16 needs a CUDA GPU" in capsys.readouterr().err
-    with pytest.raises(common.UserError, match="invalid choice"):
-        common.parse_args(grpo.Args, ["--dtype", "fp8"])
-    assert common.model_dtypes(torch.device("cuda"), compute_dtype="fp16") == (torch.float32, torch.float16)
-    assert common.model_dtypes(torch.device("cpu"), compute_dtype="fp16") == (torch.float32, None)
+    with pytest.raises(verifiers.UserError, match="invalid choice"):
+        infra.parse_args(grpo.Args, ["--dtype", "fp8"])
+    assert infra.model_dtypes(torch.device("cuda"), compute_dtype="fp16") == (torch.float32, torch.float16)
+    assert infra.model_dtypes(torch.device("cpu"), compute_dtype="fp16") == (torch.float32, None)
 
 
 def _scripts_update(model, opt, scaler, x, step, update):
@@ -248,7 +215,7 @@ def _scripts_update(model, opt, scaler, x, step, update):
 
 def test_loss_scale_skips_a_non_finite_update_and_keeps_a_finite_one():
     model = torch.nn.Linear(3, 1)
-    opt, _ = common.make_optimizer(model, 0.1, 0.0, 0)
+    opt, _ = infra.make_optimizer(model, 0.1, 0.0, 0)
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # --dtype fp16
     before = model.weight.detach().clone()
     norm = _scripts_update(model, opt, scaler, torch.tensor([[1.0, float("inf"), 0.0]]), 1, 1)  # no RunError: skipped
@@ -258,6 +225,6 @@ def test_loss_scale_skips_a_non_finite_update_and_keeps_a_finite_one():
     assert torch.isfinite(norm) and not torch.equal(model.weight, before)
     assert common.grad_metrics(norm, scaler)["losses/update_skipped"] == 0.0
     plain = torch.amp.GradScaler("cpu", enabled=False)  # bf16 / fp32: nothing scaled, a NaN stops the run
-    with pytest.raises(common.RunError, match="non-finite gradient norm"):
+    with pytest.raises(verifiers.RunError, match="non-finite gradient norm"):
         _scripts_update(model, opt, plain, torch.tensor([[float("nan"), 0.0, 0.0]]), 3, 4)
     assert set(common.grad_metrics(torch.tensor(2.0), plain)) == {"losses/grad_norm"}

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import common
+import engines
 import grpo
+import infra
 import mugrpo
-from tests import tiny
+from tests import references, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -232,12 +234,12 @@ def test_rollout_batch_rows():
     assert tb.input_ids[0].tolist() == [5, 6, 7, 300, 301, 2] and tb.input_ids[3].tolist() == [0, 0, 9, 1, 70000, 0]
     assert common.completion_mask_of(rb).tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]]
     # the constructor of lists of rows gives the same batch
-    again = common.rollout_from_rows(
+    again = references.rollout_from_rows(
         [r[0] for r in rows], [r[1] for r in rows], rb.texts, rb.finish_reasons, [list(map(float, r[4])) for r in rows]
     )
     assert tiny.prompts(again) == tiny.prompts(rb) and tiny.completions(again) == tiny.completions(rb)
     assert tiny.engine_logps(again) == tiny.engine_logps(rb)
-    assert not common.rollout_from_rows([[1]], [[2]], [], []).has_engine_logps
+    assert not references.rollout_from_rows([[1]], [[2]], [], []).has_engine_logps
 
 
 def test_rollout_batch_is_packed():
@@ -252,14 +254,14 @@ def test_rollout_batch_is_packed():
         + 8 * (4 + 1)  # completion tokens and offsets
         + 4 * n_tok
     )  # log-probs (they share the completions' offsets)
-    assert common.rollout_nbytes(rb) == expected
+    assert references.rollout_nbytes(rb) == expected
     with pytest.raises(ValueError, match="log-probs"):
         rb.append_row([1], [2, 3], "", "stop", [-1.0])  # one log-prob per completion token
     with pytest.raises(ValueError, match="every row or for none"):
         rb.append_row([1], [2], "", "stop", None)
     assert len(rb) == len(rb.texts) == 4  # a refused row leaves nothing behind
     with pytest.raises(ValueError):
-        common.rollout_from_rows([[1], [2]], [[3]], [], [])
+        references.rollout_from_rows([[1], [2]], [[3]], [], [])
 
 
 def test_rollout_batch_memory_per_token():
@@ -294,36 +296,8 @@ def test_rollout_batch_memory_per_token():
 # stage loop
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    from tests import tiny
-
-    d = tmp_path_factory.mktemp("mu_toy")
-    model = tiny.make_tiny_model(str(d / "model"))
-    data = tiny.write_jsonl(str(d / "toy.jsonl"), [{"question": f"Say two {w}", "answer": "2"} for w in "abcdefghijklmnop"])
-    return {"model": model, "data": data}
-
-
 def _settings(toy, out, run_name, **kw):
-    s = dict(
-        model=toy["model"],
-        dataset=toy["data"],
-        reward="arith",
-        total_steps=2,
-        prompts_per_step=8,
-        updates_per_batch=4,
-        num_generations=8,
-        max_new_tokens=3,
-        learning_rate=3e-3,
-        warmup_updates=1,
-        eval_limit=2,
-        eval_samples=2,
-        eval_k=[2],
-        output_dir=str(out),
-        run_name=run_name,
-    )
-    s.update(kw)
-    return s
+    return tiny.run_settings(toy, out, run_name, **{"prompts_per_step": 8, "updates_per_batch": 4, **kw})
 
 
 def _rows(out, run_name):
@@ -335,7 +309,7 @@ def _rows(out, run_name):
 def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, monkeypatch):
     """Every update's behav_logp equals the log-probs under a snapshot of the weights taken when the stage's
     rollouts were generated; the first update's equals its own current log-probs; later updates drift away."""
-    real_generate, real_logps, real_batch = common.HFEngine.generate, common.completion_logps, common.no_grad_logps
+    real_generate, real_logps, real_batch = engines.HFEngine.generate, common.completion_logps, common.no_grad_logps
     real_loss, real_veto = mugrpo.compute_policy_loss, mugrpo.veto_mask
     snapshots, records, calls = [], [], {"no_grad_logps": 0, "veto": 0, "loss": 0}
 
@@ -363,7 +337,7 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
         records[-1]["behav"] = behav.detach().clone()
         return real_loss(logp, behav, *a, **kw)
 
-    monkeypatch.setattr(common.HFEngine, "generate", generate)
+    monkeypatch.setattr(engines.HFEngine, "generate", generate)
     monkeypatch.setattr(common, "completion_logps", completion_logps)
     monkeypatch.setattr(common, "no_grad_logps", no_grad_logps)
     monkeypatch.setattr(mugrpo, "veto_mask", veto_mask)
@@ -372,7 +346,7 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
 
     assert len(snapshots) == 2 and len(records) == calls["loss"] == calls["veto"] > 0  # veto at every update
     assert calls["no_grad_logps"] == (2 if behav_source == "trainer" else 0)  # once per stage, never recomputed
-    model = common.load_model(toy["model"], torch.device("cpu"))
+    model = infra.load_model(toy["model"], torch.device("cpu"))
     for rec in records:
         model.load_state_dict(snapshots[rec["stage"]])
         with torch.no_grad():

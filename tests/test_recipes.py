@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-import common
+import infra
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
@@ -25,10 +25,10 @@ def test_there_is_a_recipe_for_each_method():
 def test_recipe_parses_with_its_script(path):
     script = os.path.basename(path).split("_")[0]
     mod = importlib.import_module(script)
-    values = common.load_config(path, mod.Args)
+    values = infra.load_config(path, mod.Args)
     args = mod.Args(**values)  # every value check of the flags (a bad value raises UserError)
-    assert common._check_cross(args) is None, common._check_cross(args)
-    assert args.model != common.EMBEDDED_MODEL  # a paper-scale model, not the CPU default
+    assert infra._check_cross(args) is None, infra._check_cross(args)
+    assert args.model != infra.EMBEDDED_MODEL  # a paper-scale model, not the CPU default
     with open(path) as f:
         header = "".join(line for line in f if line.startswith("#"))
     for needle in ("Published", "Verifier", "valuation", "Not run here"):

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import common
+import engines
 import grpo
-from tests import tiny
+import infra
+from tests import references, tiny
 
 N_DRAWS = 100_000
 
@@ -24,12 +26,12 @@ def tiny_path():
 def sharp_path(tiny_path):
     """The tiny model with its final norm scaled by 8: logits of standard deviation ~1 instead of ~0.12 (a nearly
     uniform next token, which a sampler that ignored T would draw just as well)."""
-    model = common.load_model(tiny_path, torch.device("cpu"))
+    model = infra.load_model(tiny_path, torch.device("cpu"))
     with torch.no_grad():
         model.model.norm.weight.mul_(8.0)
     path = tempfile.mkdtemp(prefix="sampler_sharp_")
     model.save_pretrained(path)
-    common.load_tokenizer(tiny_path).save_pretrained(path)
+    infra.load_tokenizer(tiny_path).save_pretrained(path)
     return path
 
 
@@ -65,15 +67,15 @@ def two_sample_p(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def correct(logits, T, u):
-    return common.sample_from_logits(logits / T, u)
+    return engines.sample_from_logits(logits / T, u)
 
 
 def ignores_temperature(logits, T, u):
-    return common.sample_from_logits(logits, u)
+    return engines.sample_from_logits(logits, u)
 
 
 def drops_the_last_token(logits, T, u):
-    return common.sample_from_logits(logits[:, :-1] / T, u)
+    return engines.sample_from_logits(logits[:, :-1] / T, u)
 
 
 def float32_cumsum(logits, T, u):  # the cumulative sum in float32: its rounding shows on a long vocabulary
@@ -112,7 +114,7 @@ def test_each_row_draws_from_its_own_distribution():
     logits = torch.stack([PEAKED, PEAKED.flip(0), torch.zeros(6)])  # (3, 6)
     n = 40_000
     u = torch.rand(3 * n, generator=torch.Generator().manual_seed(1))
-    tokens = common.sample_from_logits(logits.repeat(n, 1), u).view(n, 3)
+    tokens = engines.sample_from_logits(logits.repeat(n, 1), u).view(n, 3)
     for r in range(3):
         assert chi_square_p(torch.bincount(tokens[:, r], minlength=6), torch.softmax(logits[r], -1)) > 1e-3
 
@@ -123,15 +125,15 @@ def test_large_vocabulary_extremes():
     logits = torch.full((2, 49152), -1e4)
     logits[:, [5, 49150]] = 0.0
     u = torch.tensor([0.0, 1.0 - 2**-24])
-    assert common.sample_from_logits(logits, u).tolist() == [5, 49150]
+    assert engines.sample_from_logits(logits, u).tolist() == [5, 49150]
 
 
 # ----- the engine: the distribution, the draws it spends, a seed's tokens
 
 
 def _engine(path, gen_batch_size=64, **kw):
-    tok = common.load_tokenizer(path)
-    return common.HFEngine(common.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
+    tok = infra.load_tokenizer(path)
+    return engines.HFEngine(infra.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
 
 
 def test_engine_first_and_second_tokens_follow_the_model(sharp_path):
@@ -162,7 +164,7 @@ def test_engine_and_transformers_generate_draw_the_same_distribution(sharp_path)
     """The reference path: transformers' generate (ReferenceHFEngine) and the engine's loop, 3,000 rows x 3 tokens
     each: the token at each position has the same distribution in both (two-sample chi-square, p > 0.001)."""
     engine, tok = _engine(sharp_path, gen_batch_size=3000)
-    reference = common.ReferenceHFEngine(engine.model, tok, gen_batch_size=3000)
+    reference = references.ReferenceHFEngine(engine.model, tok, gen_batch_size=3000)
     reference.eos_ids = engine.eos_ids
     prompt = common.format_prompt(tok, "Hi")
     ours = tiny.completions(engine.generate([prompt], 3000, 3, 0.8, seed=2, progress=False))
@@ -233,9 +235,9 @@ def test_bf16_engine_copy_is_refreshed_at_wake_and_the_trainer_is_untouched(tiny
     """make_engine(engine_dtype="bf16"): generation runs on a bf16 copy (buffers kept fp32), log-probs returned;
     after the trainer's weights change, the copy keeps the old ones until wake(model) copies the new ones (rounded
     to bf16); the trainer's weights stay fp32, unshared and unchanged by the copy."""
-    tok = common.load_tokenizer(tiny_path)
-    model = common.load_model(tiny_path, torch.device("cpu"))
-    engine = common.make_engine("hf", model, tok, engine_dtype="bf16", **ENGINE_KW)
+    tok = infra.load_tokenizer(tiny_path)
+    model = infra.load_model(tiny_path, torch.device("cpu"))
+    engine = infra.make_engine("hf", model, tok, engine_dtype="bf16", **ENGINE_KW)
     assert engine.return_logps and engine.sampler is not model
     assert {p.dtype for p in engine.sampler.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -258,12 +260,12 @@ def test_bf16_engine_copy_is_refreshed_at_wake_and_the_trainer_is_untouched(tiny
 def test_bf16_engine_log_probs_measure_its_own_rounding(tiny_path):
     """The bf16 engine's log-probs of what it drew against the fp32 trainer's: close but not equal (the mismatch
     the run's mismatch/ metrics report); the fp32 engine's are equal to 1e-4."""
-    tok = common.load_tokenizer(tiny_path)
-    model = common.load_model(tiny_path, torch.device("cpu"))
+    tok = infra.load_tokenizer(tiny_path)
+    model = infra.load_model(tiny_path, torch.device("cpu"))
     prompts = [common.format_prompt(tok, q) for q in PROMPTS]
     diffs = {}
     for dtype in ("auto", "bf16"):
-        engine = common.make_engine("hf", model, tok, return_logps=True, engine_dtype=dtype, **ENGINE_KW)
+        engine = infra.make_engine("hf", model, tok, return_logps=True, engine_dtype=dtype, **ENGINE_KW)
         ro = engine.generate(prompts, 4, 8, 1.0, seed=1, progress=False)
         trainer = common.no_grad_logps(model, ro, range(len(ro)), tok.pad_token_id, 1.0, token_budget=512)
         diffs[dtype] = max(
@@ -283,7 +285,7 @@ def test_bf16_engine_log_probs_measure_its_own_rounding(tiny_path):
 def test_bf16_engine_refusals(flags, needle, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), *flags])
     with pytest.raises(SystemExit) as exc:
-        common.run_cli(grpo.main, grpo.Args)
+        infra.run_cli(grpo.main, grpo.Args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(err) == 1 and needle in err[0]
 
@@ -292,6 +294,6 @@ def test_bf16_engine_refused_under_torchrun(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), "--engine-dtype", "bf16"])
     with pytest.raises(SystemExit) as exc:
-        common.run_cli(grpo.main, grpo.Args)
+        infra.run_cli(grpo.main, grpo.Args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(err) == 1 and "runs in one process only" in err[0]

@@ -11,7 +11,10 @@ import os
 import pytest
 import torch
 
-from common import VLLMEngine, hf_param_name
+import engines
+import infra
+import verifiers
+from engines import VLLMEngine, hf_param_name
 from tests import fake_vllm, tiny  # noqa: E402
 
 EOS = 2
@@ -352,7 +355,7 @@ def test_sleep_is_level_1(fake):
 
 def test_wake_without_model_and_wake_when_awake(fake):
     eng = make_engine()
-    eng.wake(Tiny())  # as make_engine() in common.py does right after construction: push only
+    eng.wake(Tiny())  # as infra.make_engine() does right after construction: push only
     assert [n for n, _ in fake.calls if n in ("wake_up", "sleep")] == []
     assert calls(fake, "load_weights") and calls(fake, "reset_prefix_cache")
     eng.sleep()
@@ -392,9 +395,9 @@ def _tokenizer():
 
 
 def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
-    import common
+    import infra
 
-    eng = common.make_engine(
+    eng = infra.make_engine(
         "vllm", Tiny(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3
     )
     assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
@@ -403,14 +406,13 @@ def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
 
 
 def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
-    import common
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     class GenModel(Tiny):
         generation_config = None
 
-    eng = common.make_engine(
+    eng = infra.make_engine(
         "auto",
         GenModel(),
         _tokenizer(),
@@ -420,18 +422,17 @@ def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
         gen_batch_size=8,
         gpu_memory_utilization=0.3,
     )
-    assert isinstance(eng, common.HFEngine)
+    assert isinstance(eng, engines.HFEngine)
     assert not calls(fake_cpu, "LLM.__init__")
 
 
 def test_engine_vllm_without_vllm_is_a_user_error(monkeypatch, tmp_path):
     """Checked once, with the flags, before anything loads (make_engine no longer repeats it)."""
-    import common
     import grpo
 
-    monkeypatch.setattr(common.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(common.UserError, match="needs vLLM"):
-        common.validate_args(grpo.Args(engine="vllm", output_dir=str(tmp_path)))
+    monkeypatch.setattr(infra.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(verifiers.UserError, match="needs vLLM"):
+        infra.validate_args(grpo.Args(engine="vllm", output_dir=str(tmp_path)))
 
 
 def test_engine_logps_are_finite(fake):
@@ -465,7 +466,7 @@ def _fake_world(monkeypatch, world, rank):
     """The World that init_world would make under torchrun (the engine reads it; no process group is needed)."""
     import common
 
-    monkeypatch.setattr(common, "_WORLD", common.DistributedWorld(rank, world, rank, torch.device("cpu")))
+    monkeypatch.setattr(common, "_WORLD", infra.DistributedWorld(rank, world, rank, torch.device("cpu")))
 
 
 def test_constructor_under_torch_distributed(fake, monkeypatch):

@@ -39,6 +39,7 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 import common  # noqa: E402
+import infra
 from tests import fake_vllm, tiny  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,15 +58,15 @@ def real():
     """One engine for the module (vLLM start-up is the slow part): trainer model + VLLMEngine as make_engine builds it."""
     for k, v in TEST_ENV.items():
         os.environ.setdefault(k, v)
-    common.set_cpu_threads()  # before vLLM replaces torch.set_num_threads with a no-op
-    device = common.pick_device()
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, device)
-    engine = common.make_engine(
+    infra.set_cpu_threads()  # before vLLM replaces torch.set_num_threads with a no-op
+    device = infra.pick_device()
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, device)
+    engine = infra.make_engine(
         "vllm",
         model,
         tokenizer,
-        model_path=common.EMBEDDED_MODEL,
+        model_path=infra.EMBEDDED_MODEL,
         max_model_len=MAX_MODEL_LEN,
         seed=0,
         gen_batch_size=64,
@@ -248,7 +249,7 @@ REAL_DIFFERENCES = {
         "EngineArgs fields only in 0.33": {"monokernel", "sleep_mode_backend", "watchdog_config"},
     },
 }
-# Behaviour differences of the CPU build that names cannot show (handled in common.py, tested above):
+# Behaviour differences of the CPU build that names cannot show (handled in engines.py, tested above):
 # - no sleep mode: LLM(enable_sleep_mode=True) is refused; VLLMEngine enables it only where
 #   current_platform.is_sleep_mode_available() (CUDA/ROCm/XPU) and keeps only its asleep state on CPU;
 # - the V1 runner (CPUModelRunner subclasses gpu_model_runner.GPUModelRunner), not 0.33's default V2 runner:
@@ -392,7 +393,7 @@ def easy_data(tmp_path_factory):
 def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
     flags = [
         "--model",
-        common.EMBEDDED_MODEL,
+        infra.EMBEDDED_MODEL,
         "--engine",
         "vllm",
         "--dataset",
@@ -553,7 +554,7 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     mismatch/abs_log_rho_mean) 7.4e-6 / 9.7e-6 (max 4.3e-5)."""
     flags = [
         "--model",
-        common.EMBEDDED_MODEL,
+        infra.EMBEDDED_MODEL,
         "--engine",
         "vllm",
         "--dataset",

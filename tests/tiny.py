@@ -1,8 +1,10 @@
-"""A tiny chat model and tokenizer built offline for the tests (no download)."""
+"""A tiny chat model and tokenizer built offline for the tests (no download), the toy task the script tests train
+on, and the flags of a tiny run."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 
 import torch
 
@@ -79,3 +81,57 @@ def completions(rollout) -> list[list[int]]:
 def engine_logps(rollout) -> list[list[float]]:
     """Every row's engine log-probs of a RolloutBatch, as plain lists."""
     return [rollout.engine_logp(r) for r in range(len(rollout))]
+
+
+TOY_WORDS = "abcdefghijklmnop"
+# a tiny run of a script on the toy task: every script test starts from these and overrides what it tests
+TINY_RUN = {
+    "reward": "arith",
+    "total_steps": 2,
+    "prompts_per_step": 4,
+    "num_generations": 8,
+    "max_new_tokens": 3,
+    "learning_rate": 3e-3,
+    "warmup_updates": 1,
+    "eval_limit": 2,
+    "eval_samples": 2,
+    "eval_k": [2],
+}
+
+
+def toy_task(folder, rows: list[dict] | None = None) -> dict:
+    """The tiny model and the toy task in `folder`: by default 16 questions 'Say two <letter>' with answer '2', which
+    the random model says now and then by chance. {"model": its folder, "data": the .jsonl, "dir": `folder`}."""
+    folder = pathlib.Path(folder)
+    rows = rows if rows is not None else [{"question": f"Say two {w}", "answer": "2"} for w in TOY_WORDS]
+    model = make_tiny_model(str(folder / "model"))
+    return {"model": model, "data": write_jsonl(str(folder / "toy.jsonl"), rows), "dir": folder}
+
+
+def run_settings(toy: dict, out, run_name: str, **overrides) -> dict:
+    """The Args fields of a tiny run on `toy` (TINY_RUN), its output in out/run_name, then `overrides`."""
+    return {
+        "model": toy["model"],
+        "dataset": toy["data"],
+        **TINY_RUN,
+        "output_dir": str(out),
+        "run_name": run_name,
+        **overrides,
+    }
+
+
+def as_flags(settings: dict) -> list[str]:
+    """Args fields as command-line flags: `--flag-name value` (a list: its values; True: the flag alone)."""
+    flags = []
+    for key, value in settings.items():
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return flags
+
+
+def run_flags(toy: dict, out, run_name: str, **overrides) -> list[str]:
+    """run_settings as command-line flags."""
+    return as_flags(run_settings(toy, out, run_name, **overrides))

