@@ -305,14 +305,27 @@ def main(args: Args) -> None:
         [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
         for t in eval_tasks
     ]  # one list of prompts per eval set
-    # the longest prompt + --max-new-tokens, checked against the model's context before the weights load
-    max_model_len = infra.context_length(
-        model_path, tokenizer, train_task, eval_prompts, args.system_prompt, args.max_new_tokens
+    # every prompt against the model's context, before the weights load: a training prompt that does not fit is
+    # dropped (one line says how many), an evaluation prompt stops the run; the engine's context is the longest
+    # prompt kept plus --max-new-tokens
+    train_task, max_model_len = infra.fit_context(
+        model_path,
+        tokenizer,
+        train_task,
+        eval_prompts,
+        system_prompt=args.system_prompt,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        long_prompts=args.long_prompts,
+        max_position_embeddings=args.max_position_embeddings,
     )
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    model = infra.shard_model(infra.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype))
+    context = dict(max_position_embeddings=args.max_position_embeddings)  # 0: the model's own context
+    model = infra.shard_model(
+        infra.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype, **context)
+    )
     ref_model = (
-        infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype))
+        infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype, **context))
         if args.beta > 0
         else None
     )
@@ -329,6 +342,8 @@ def main(args: Args) -> None:
         return_logps=args.rollout_is != "none",  # a correction needs the engine's log-probs
         dtype=args.dtype,
         engine_dtype=args.engine_dtype,
+        vllm_sleep_level=args.vllm_sleep_level,
+        **context,
     )
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16: dynamic loss scaling; else none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
@@ -345,11 +360,13 @@ def main(args: Args) -> None:
             scaler.load_state_dict(state["grad_scaler"])
         common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
     logger = infra.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
+    if not args.eval_only:  # one line: a checkpoint's size, the disk the run needs and what is free (too little: stop)
+        infra.plan_checkpoints(run_dir, model, args.save_every, args.keep_last, args.total_steps)
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
-            engine.wake(model)
+            engine.wake(model, version=update)  # a push only if the weights changed since the last one
             metrics, per_set = infra.evaluate_sets(
                 engine,
                 eval_tasks,
@@ -401,7 +418,9 @@ def main(args: Args) -> None:
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
         with timers("wake"):
-            engine.wake(model)  # the weight sync. vLLM: wake, push the weights, reset prefix cache; hf: refresh a bf16 copy
+            # the weight sync, one push per weight version (`update`: the optimizer updates so far). vLLM: wake, push
+            # the weights, reset the prefix cache; hf: refresh its bf16 copy (--engine-dtype bf16), else nothing
+            engine.wake(model, version=update)
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
         minibatches = common.group_shuffled_minibatches(
             P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
@@ -498,7 +517,6 @@ def main(args: Args) -> None:
                 mb_seqs = in_loss[mb_rows].sum().item()  # the sequence count of the other aggregations
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
                 dual_clipfrac = 0.0  # share of the mini-batch's tokens capped by the dual clip (A < 0, r > c)  # ALGO LOGIC
-                optimizer.zero_grad(set_to_none=True)
                 for micro in common.micro_batches(rollout, rollout.own(mb_rows), args.micro_batch_tokens, model):
                     token_batch = common.token_batch_of(rollout, micro, pad_id)  # padded rows or packed groups
                     logp, entropy = common.completion_logps(model, token_batch, args.temperature, args.logp_chunk_tokens)
@@ -542,6 +560,7 @@ def main(args: Args) -> None:
                 scaler.step(optimizer)
                 scaler.update()
                 scheduler.step()
+                optimizer.zero_grad(set_to_none=True)  # freed now, not at the next mini-batch: the engine's wake gets it
                 update += 1
                 update_metrics.append(
                     {f"losses/{k}": v for k, v in sums.items()}

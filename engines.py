@@ -17,6 +17,7 @@ infra.make_engine picks one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Sequence
@@ -47,20 +48,24 @@ class HFEngine:
         self.eos_ids = {*(eos if isinstance(eos, (list, tuple)) else [eos]), tokenizer.eos_token_id}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.sampler = model  # the model generation runs on: the trainer's own, or its low-precision copy
+        self.synced_version = None  # the weight version the copy holds (wake)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             self.sampler = copy.deepcopy(model).eval().requires_grad_(False)
             for param in self.sampler.parameters():  # weights only: buffers (rotary frequencies) keep fp32
                 param.data = param.data.to(dtype)
 
-    def wake(self, model=None) -> None:
+    def wake(self, model=None, version=None) -> None:
         """The weight sync: the low-precision copy takes the trainer's current weights (the trainer's own model:
-        nothing to copy)."""
-        if model is not None and self.sampler is not model:
-            with torch.no_grad():
-                for copied, trained in zip(self.sampler.parameters(), model.parameters()):
-                    copied.copy_(trained)
+        nothing to copy), unless `version` (the optimizer updates so far) is the one it holds already."""
+        if model is not None and self.sampler is not model and (version is None or version != self.synced_version):
+            self.push_weights(model)
+            self.synced_version = version
 
-    push_weights = wake
+    def push_weights(self, model) -> None:
+        with torch.no_grad():
+            for copied, trained in zip(self.sampler.parameters(), model.parameters()):
+                copied.copy_(trained)
+
     sleep = lambda self: None  # noqa: E731 - nothing to free
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
@@ -195,6 +200,18 @@ _VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_
 _VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+def vllm_import_problem() -> str | None:
+    """Why `import vllm` fails in this environment (the exception's first line), or None. Set first: the engine's
+    in-process mode (VLLMEngine.__init__)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform  # noqa: F401 - where a mismatched torch build shows
+    except Exception as exc:
+        return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    return None
+
+
 def hf_param_name(name: str) -> str:
     """The HF checkpoint name of a trainer parameter: wrapper prefixes removed wherever they sit."""
     for prefix in _WRAPPER_PREFIXES:
@@ -202,13 +219,30 @@ def hf_param_name(name: str) -> str:
     return name
 
 
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position of a completion. `logprobs` is vLLM's FlatLogprobs
+    (SamplingParams(flat_logprobs=True): flat lists, position i's entries from start_indices[i], the sampled token
+    first), or a list of {token_id: Logprob} per position (the form without flat_logprobs)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no per-token log-prob for some sampled tokens")
+    if hasattr(logprobs, "start_indices"):
+        starts, ids, values = logprobs.start_indices, logprobs.token_ids, logprobs.logprobs
+        if any(ids[i] != t for i, t in zip(starts, token_ids)):
+            raise RuntimeError("vLLM's log-probs are not those of the sampled tokens")
+        return [float(values[i]) for i in starts]
+    return [float(position[t].logprob) for t, position in zip(token_ids, logprobs)]
+
+
 class VLLMEngine:
     """vLLM `LLM` in the trainer's process and on its device (a CUDA GPU, or the CPU with `vllm-cpu`).
 
-    Life cycle per step: generate -> sleep() (level 1: weights to CPU, KV cache freed) -> train ->
-    wake(model) (map weights, push the trained weights, reset the prefix cache, map the KV cache).
-    Where the platform has no sleep mode (the CPU build), sleep/wake keep only the engine's own asleep state
-    (generate() refuses while asleep, as on the GPU) and release no memory.
+    Life cycle per step: generate -> sleep() (level 2: weights and KV cache discarded, CUDA graphs backed up to the
+    host; level 1 keeps a pinned host copy of the weights) -> train -> wake(model, version) (map the weights, push the
+    trained weights when they changed since the last push or were discarded, reset the prefix cache, map the KV
+    cache). Where the platform has no sleep mode (the CPU build), sleep/wake keep only the engine's own asleep state
+    (generate() refuses while asleep, as on the GPU) and release no memory. vLLM sets torch's threads to 1 for the
+    process it runs in (the GPU build, unless OMP_NUM_THREADS is set): the trainer's count is restored after the
+    engine is built and around each call into it.
 
     Under torch.distributed (world size > 1, e.g. torchrun): one independent engine per rank, built by all ranks
     together (construction runs collectives on the existing process group), each generating its own prompts;
@@ -224,6 +258,8 @@ class VLLMEngine:
         seed: int,
         gpu_memory_utilization: float = 0.35,
         dtype: str = "bfloat16",
+        sleep_level: int = 2,
+        max_position_embeddings: int = 0,
     ):
         # In-process engine core: only then does llm.llm_engine.model_executor exist. vLLM reads this env
         # var when the engine is built and caches its env vars after the first EngineCore starts, so set it
@@ -234,13 +270,20 @@ class VLLMEngine:
 
         if dtype not in _VLLM_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_VLLM_DTYPES)}, not {dtype!r}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, not {sleep_level!r}")
         self._vllm = vllm
         self.tokenizer = tokenizer
         self.max_model_len = int(max_model_len)
         self.dtype = _VLLM_DTYPES[dtype]  # pushed weights are cast to it (an fp32 trainer pushes bf16 on a GPU)
         # CUDA/ROCm/XPU only (platforms/interface.py); the CPU build refuses enable_sleep_mode=True
         self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.sleep_level = sleep_level
         self.on_cpu = bool(current_platform.is_cpu())
+        sleep = dict(enable_sleep_mode=self.sleep_mode)
+        if self.sleep_mode:  # CUDA graphs are captured into a pool that sleep backs up to the host (else they stay)
+            sleep["sleep_mode_offload_cudagraph"] = True
+        context = {"hf_overrides": {"max_position_embeddings": max_position_embeddings}} if max_position_embeddings else {}
         cpu_scheduling = {}
         if self.on_cpu:  # see _VLLM_CPU_BATCHED_TOKENS
             cpu_scheduling = dict(
@@ -265,6 +308,7 @@ class VLLMEngine:
                 pipeline_parallel_size=1,
                 data_parallel_size=1,
             )
+        self.trainer_threads = torch.get_num_threads()  # vLLM's GPU worker sets 1 for the process (docs/vllm.md)
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -273,12 +317,16 @@ class VLLMEngine:
             seed=int(seed) + self.rank,
             gpu_memory_utilization=float(gpu_memory_utilization),
             max_model_len=self.max_model_len,
-            enable_sleep_mode=self.sleep_mode,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",  # sampled-token log-prob after temperature
+            **sleep,
+            **context,
             **cpu_scheduling,
             **distributed,
         )
+        self.engine_threads = torch.get_num_threads()  # what vLLM left: its count inside each call into it
+        if self.engine_threads != self.trainer_threads:
+            torch.set_num_threads(self.trainer_threads)
         if not hasattr(self.llm.llm_engine, "model_executor"):
             raise RuntimeError(
                 "vLLM started its engine core in a separate process "
@@ -287,6 +335,9 @@ class VLLMEngine:
             )
         self._asleep: set[str] = set()  # memory tags currently released: subset of {"weights", "kv_cache"}
         self._closed = False
+        self.pushed_version = None  # the weight version the engine holds (wake); None: push at the next wake
+        self.weights_discarded = False  # by a level-2 sleep
+        self.pushes = 0  # weight pushes so far
 
         # Qwen-style padded vocabularies: the model has rows the tokenizer cannot decode. Forbid them.
         self.num_decodable = len(tokenizer)
@@ -313,8 +364,10 @@ class VLLMEngine:
         seed: int,
         gpu_memory_utilization: float,
         dtype: str = "bf16",
+        sleep_level: int = 2,
+        max_position_embeddings: int = 0,
     ) -> VLLMEngine:
-        """The engine of make_engine: on the trainer's device, holding the trainer's weights from the start."""
+        """The engine of make_engine, on the trainer's device; its first wake(model) pushes the trainer's weights."""
         # from the device, not the trainer's dtype: an fp32-master trainer on a GPU still rolls out in bf16
         device = next(model.parameters()).device
         on_cuda = device.type == "cuda"
@@ -331,8 +384,9 @@ class VLLMEngine:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=("float16" if dtype == "fp16" else "bfloat16") if on_cuda else "float32",
+            sleep_level=sleep_level,
+            max_position_embeddings=max_position_embeddings,
         )
-        engine.wake(model)  # the trainer's weights are the truth from the first rollout on
         if common.world().enabled:
             common.world().at_shutdown(engine.close)  # before destroy_process_group, not at interpreter exit
         return engine
@@ -347,6 +401,7 @@ class VLLMEngine:
             min_p=0.0,
             max_tokens=int(max_new_tokens),
             logprobs=0,  # only the sampled token's log-prob
+            flat_logprobs=True,  # in flat lists, not a dict and a Logprob object per token (docs/vllm.md)
             seed=seed,
             detokenize=False,  # we decode with the trainer's tokenizer below
             logit_bias=self._logit_bias,
@@ -398,7 +453,8 @@ class VLLMEngine:
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
         # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
         # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
+        with self._engine_threads():
+            outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
         if len(outputs) != P:
             raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
 
@@ -412,15 +468,24 @@ class VLLMEngine:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
                 toks = [int(t) for t in c.token_ids]
-                if c.logprobs is None or len(c.logprobs) != len(toks):
-                    raise RuntimeError("vLLM returned no per-token log-prob for some sampled tokens")
-                # one {token_id: Logprob} per position; with logprobs=0 it holds just the sampled token
-                logps = [float(position[t].logprob) for t, position in zip(toks, c.logprobs)]
+                logps = _sampled_logprobs(c.logprobs, toks)
                 decodable = [t for t in toks if t < self.num_decodable]
                 undecodable += len(toks) - len(decodable)
                 out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason, logps)
         self.num_undecodable_sampled = undecodable
         return out
+
+    @contextlib.contextmanager
+    def _engine_threads(self):
+        """vLLM's thread count inside a call into it, the trainer's outside (they differ on the GPU build only)."""
+        if self.engine_threads == self.trainer_threads:
+            yield
+            return
+        torch.set_num_threads(self.engine_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.trainer_threads)
 
     # ------------------------------------------------------------------------------------------
     def _worker(self):
@@ -468,7 +533,9 @@ class VLLMEngine:
                 yield hf_param_name(name), t
 
         weights = named_weights()
-        self._worker().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        with self._engine_threads():
+            self._worker().reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        self.pushes += 1
         if consumed != len(named):
             took = consumed
             for _ in weights:  # keep the other ranks' gathers paired before failing
@@ -481,21 +548,31 @@ class VLLMEngine:
             )
 
     def sleep(self) -> None:
+        """After the rollout: free the KV cache and the weights (level 2 discards them, the next wake pushes them
+        again; level 1 keeps a pinned host copy, as large as the weights, and copies it back)."""
         if self._asleep:
             return
         if self.sleep_mode:
-            self.llm.sleep(level=1)  # level 2 would discard the weights (vllm#29341); 1 keeps a CPU copy
+            self.llm.sleep(level=self.sleep_level)
+            self.weights_discarded = self.sleep_level == 2  # the next wake must push whatever the version
         self._asleep = {"weights", "kv_cache"}
 
-    def wake(self, model: torch.nn.Module | None = None) -> None:
+    def wake(self, model: torch.nn.Module | None = None, version=None) -> None:
+        """Map the weights, push `model`'s weights unless the engine holds `version` already (the optimizer
+        updates so far; None: push), then map the KV cache."""
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the trainer's cached free blocks back before vLLM maps memory
         if "weights" in self._asleep:
             if self.sleep_mode:
                 self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        if model is not None:
+        if model is None and self.weights_discarded:
+            raise RuntimeError("vLLM's weights were discarded by sleep (level 2): wake(model) must push them")
+        if model is not None and (version is None or version != self.pushed_version or self.weights_discarded):
             self.push_weights(model)
+            self.pushed_version, self.weights_discarded = version, False
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the push's per-layer copies, back before the KV cache is mapped
         if "kv_cache" in self._asleep:
             fully_awake = self.llm.wake_up(tags=["kv_cache"]) if self.sleep_mode else True
             self._asleep.discard("kv_cache")

@@ -6,11 +6,11 @@ flags         Args and arg (the common flags; a script subclasses Args), ARG_CHE
 command line  run_cli (a UserError or RunError of verifiers.py becomes one line), parse_args, load_config
 start         setup (checks, torchrun, threads, seeds, device) -> (common.World, device)
 processes     init_world -> DistributedWorld (torchrun), shard_model (FSDP2)
-models        load_tokenizer, context_length, load_model (fp32 master weights, bf16/fp16 autocast on CUDA; the
+models        load_tokenizer, fit_context, load_model (fp32 master weights, bf16/fp16 autocast on CUDA; the
               embedded model converted once), make_optimizer, make_engine (engines.HFEngine or engines.VLLMEngine)
 logger, eval  open_run_logger -> common.RunLogger; evaluate_sets, eval_seed, write_eval, eval_console_line,
               print_summary; write_rollouts
-checkpoints   find_resume, make_run_dir, load_trainer_state, save_checkpoint
+checkpoints   find_resume, make_run_dir, load_trainer_state, plan_checkpoints, save_checkpoint
 the end       save_final_model
 """
 
@@ -80,6 +80,22 @@ class Args:
         "or your own fn(completion, problem) -> float as module:function or path.py:function",
     )
     system_prompt: str = arg("", "optional system prompt (default: the chat template's own)")
+    max_prompt_tokens: int = arg(
+        0,
+        "the longest training prompt in tokens, chat template included (0: the model's context minus "
+        "--max-new-tokens); a longer one is dropped at load (--long-prompts)",
+    )
+    long_prompts: Literal["drop", "error"] = arg(
+        "drop",
+        "a training prompt longer than --max-prompt-tokens: drop it at load (one line says how many and the longest "
+        "kept; verl: filter_overlong_prompts), or stop with an error. An evaluation prompt that does not fit stops "
+        "the run either way",
+    )
+    max_position_embeddings: int = arg(
+        0,
+        "extend the model's context to N positions (its config's max_position_embeddings, in the trainer and in "
+        "vLLM), as verl's DAPO recipe does for Qwen2.5-Math-7B (4096 -> 32768; docs/performance.md); 0: the model's own",
+    )
     engine: Literal["auto", "vllm", "hf"] = arg("auto", "rollout engine: auto (vLLM on GPU if installed, else hf), vllm, hf")
     seed: int = arg(1, "random seed")
     total_steps: int = arg(12, "number of steps (rollout batches)")
@@ -125,7 +141,16 @@ class Args:
         "the hf engine's weights for generation: auto (the trainer's), bf16 (a bf16 copy refreshed at every weight "
         "sync, the trainer's fp32 weights untouched; its mismatch is logged: docs/mismatch.md)",
     )
-    gpu_memory_utilization: float = arg(0.35, "share of GPU memory vLLM may take (weights + KV cache)")
+    gpu_memory_utilization: float = arg(
+        0.35,
+        "share of the GPU's memory vLLM may take for its weights, activations, CUDA graphs and KV cache (it must be "
+        "free when the engine starts; the KV cache gets what is left: docs/performance.md)",
+    )
+    vllm_sleep_level: int = arg(
+        2,
+        "vLLM's sleep while the trainer trains: 2 discards its weights (the next wake pushes them anyway), 1 keeps a "
+        "pinned host copy of them (as large as the weights, copied every step)",
+    )
     dtype: Literal["bf16", "fp16"] = arg(
         "bf16",
         "compute dtype on a GPU: autocast of the trainer's forward passes (fp32 master weights stay) and the vLLM "
@@ -152,7 +177,11 @@ class Args:
     eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
     eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
     save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
-    keep_last: int = arg(0, "keep only the N newest checkpoints (0: all); the final model goes to <run>/final either way")
+    keep_last: int = arg(
+        2,
+        "keep only the N newest checkpoints (2: the newest and one before it, should a crash break the newest; 0: all); "
+        "the final model goes to <run>/final either way",
+    )
     resume: str = arg("", "resume from a run folder (its latest checkpoint) or a checkpoint folder")
     output_dir: str = arg("runs", "parent folder of run folders")
     run_name: str = arg("", "run folder name (default: <exp_name>__s<seed>__<time>)")
@@ -191,6 +220,8 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
         "must be >= 2 (with one rollout per prompt every group-relative advantage is 0, so no update would move the model)",
     ),
     ("max_new_tokens", lambda v: v >= 1, "must be >= 1 (maximum completion length)"),
+    ("max_prompt_tokens", lambda v: v >= 0, "must be >= 0 (0: the model's context minus --max-new-tokens)"),
+    ("max_position_embeddings", lambda v: v >= 0, "must be >= 0 (0: the model's own context)"),
     ("temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (the trainer divides logits by it)"),
     ("learning_rate", lambda v: _is_num(v) and v > 0, "must be > 0"),
     ("weight_decay", lambda v: _is_num(v) and v >= 0, "must be >= 0"),
@@ -209,6 +240,7 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
     ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
     ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    ("vllm_sleep_level", lambda v: v in (1, 2), "must be 1 or 2"),
     ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
     ("max_engine_logp_diff", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no check)"),
     ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
@@ -271,6 +303,11 @@ def _check_cross(args) -> str | None:
         return "--engine-dtype bf16 runs in one process only (a bf16 copy of FSDP2-sharded weights is not wired up)"
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
+    if args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+        broken = engines.vllm_import_problem()  # installed, but built against another torch, say
+        if broken:
+            picks = "picks vLLM here (a GPU and vLLM are present)" if args.engine == "auto" else "needs vLLM"
+            return f"--engine {args.engine} {picks}, but `import vllm` fails ({broken}); fix the install or use --engine hf"
     if args.track and importlib.util.find_spec("wandb") is None:
         return "--track needs wandb: pip install wandb"
     return None
@@ -968,26 +1005,92 @@ def load_tokenizer(name: str):
     return tok
 
 
-def context_length(model_path: str, tokenizer, train_task, eval_prompts, system_prompt: str, max_new_tokens: int) -> int:
-    """The engine's context: the longest prompt of training and evaluation plus --max-new-tokens, checked against the
-    model's context (max_position_embeddings in its config) before the weights load; one UserError line if too long."""
+def model_context(model_path: str, max_position_embeddings: int = 0) -> int | None:
+    """The model's context in tokens: --max-position-embeddings when set, else max_position_embeddings in its config
+    (None: the config does not say)."""
     from transformers import AutoConfig
 
-    longest = max((len(p) for prompts in eval_prompts for p in prompts), default=0)
-    if train_task is not None and train_task.problems:  # every training prompt, tokenized in one batch
-        texts = [
-            common.prompt_text(tokenizer, p["question"], train_task.instruction, system_prompt or None)
-            for p in train_task.problems
-        ]
-        longest = max(longest, max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"])))
-    context = getattr(_from_pretrained(AutoConfig, model_path), "max_position_embeddings", None)
-    if context is not None and longest + max_new_tokens > context:
-        raise UserError(
-            f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest} tokens) plus {max_new_tokens} "
-            f"new tokens exceed the model's context of {context} tokens (max_position_embeddings in its "
-            f"config.json); lower --max-new-tokens to at most {max(context - longest, 0)}"
+    return max_position_embeddings or getattr(_from_pretrained(AutoConfig, model_path), "max_position_embeddings", None)
+
+
+def context_problem(context: int | None, max_new_tokens: int, max_prompt_tokens: int = 0) -> str | None:
+    """What makes the flags not fit a model of `context` tokens (None: they fit); no prompt is read."""
+    if context is None:
+        return None
+    if max_new_tokens >= context:
+        return (
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {context} tokens "
+            "(max_position_embeddings); lower it, or extend the context with --max-position-embeddings"
         )
-    return longest + max_new_tokens
+    if max_prompt_tokens and max_prompt_tokens + max_new_tokens > context:
+        return (
+            f"--max-prompt-tokens {max_prompt_tokens} plus --max-new-tokens {max_new_tokens} exceed the model's context "
+            f"of {context} tokens; lower one of them (prompts up to {context - max_new_tokens} tokens fit)"
+        )
+    return None
+
+
+def fit_context(
+    model_path: str,
+    tokenizer,
+    train_task,
+    eval_prompts,
+    *,
+    system_prompt: str,
+    max_new_tokens: int,
+    max_prompt_tokens: int = 0,
+    long_prompts: str = "drop",
+    max_position_embeddings: int = 0,
+):
+    """Every prompt against the model's context (max_position_embeddings, or --max-position-embeddings), before the
+    weights load. A training prompt longer than --max-prompt-tokens (by default the context minus --max-new-tokens)
+    is dropped, one line saying how many and the longest kept (--long-prompts error: the run stops instead); an
+    evaluation prompt that does not fit stops the run (an eval set is measured whole). Returns (the training task
+    with the prompts kept, the engine's context: the longest prompt kept plus --max-new-tokens)."""
+    context = model_context(model_path, max_position_embeddings)
+    problem = context_problem(context, max_new_tokens, max_prompt_tokens)
+    if problem:
+        raise UserError(problem)
+    room = context - max_new_tokens if context is not None else None  # the longest prompt the context holds
+    longest = max((len(p) for prompts in eval_prompts for p in prompts), default=0)
+    if room is not None and longest > room:
+        raise UserError(
+            f"--max-new-tokens {max_new_tokens}: the longest evaluation prompt ({longest} tokens) plus {max_new_tokens} "
+            f"new tokens exceed the model's context of {context} tokens (max_position_embeddings in its config.json); "
+            f"lower --max-new-tokens to at most {max(context - longest, 0)}, or extend the context with "
+            "--max-position-embeddings"
+        )
+    if train_task is None or not train_task.problems:
+        return train_task, longest + max_new_tokens
+    texts = [  # every training prompt, tokenized in one batch
+        common.prompt_text(tokenizer, p["question"], train_task.instruction, system_prompt or None)
+        for p in train_task.problems
+    ]
+    lengths = list(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
+    budget = max_prompt_tokens or room
+    keep = [i for i, n in enumerate(lengths) if budget is None or n <= budget]
+    if len(keep) < len(lengths):
+        dropped, first = len(lengths) - len(keep), next(i for i, n in enumerate(lengths) if n > budget)
+        limit = f"--max-prompt-tokens {budget}" if max_prompt_tokens else f"{budget} tokens (the model's context {context}"
+        limit += "" if max_prompt_tokens else f" minus --max-new-tokens {max_new_tokens})"
+        if long_prompts == "error" or not keep:
+            where = train_task.where[first] if len(train_task.where) == len(lengths) else f"problem {first}"
+            raise UserError(
+                f"{dropped} of {len(lengths)} training prompts of {train_task.name} are longer than {limit} (the first: "
+                f"{where}, {lengths[first]} tokens); "
+                + ("none is left: " if not keep else "--long-prompts drop drops them, or ")
+                + "raise --max-prompt-tokens, lower --max-new-tokens or extend the context with --max-position-embeddings"
+            )
+        train_task = dataclasses.replace(
+            train_task,
+            problems=[train_task.problems[i] for i in keep],
+            where=[train_task.where[i] for i in keep] if len(train_task.where) == len(lengths) else train_task.where,
+        )
+        common.CONSOLE.info(
+            f"dropped {dropped} of {len(lengths)} training prompts longer than {limit}; the longest kept has "
+            f"{max(lengths[i] for i in keep)} tokens (--long-prompts error stops instead)"
+        )
+    return train_task, max(longest, max(lengths[i] for i in keep)) + max_new_tokens
 
 
 def load_model(
@@ -996,10 +1099,11 @@ def load_model(
     gradient_checkpointing: bool = False,
     trainable: bool = True,
     compute_dtype: torch.dtype | None | str = "auto",
+    max_position_embeddings: int = 0,
 ):
-    """Causal LM on `device`. `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU;
-    or a torch dtype) is the autocast dtype of its
-    forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
+    """Causal LM on `device`, its context extended to `max_position_embeddings` positions where that is > 0.
+    `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU; or a torch dtype) is the
+    autocast dtype of its forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
 
     trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
     state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
@@ -1008,7 +1112,8 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype)
+    extend = {"max_position_embeddings": max_position_embeddings} if max_position_embeddings else {}
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, **extend)  # a config field as a keyword: set
     model.to(device)
     model.config.use_cache = False
     model.autocast_dtype = compute_dtype  # read by autocast_context(model)
@@ -1076,15 +1181,25 @@ def make_engine(
     return_logps: bool = False,
     dtype: str = "bf16",
     engine_dtype: str = "auto",
+    vllm_sleep_level: int = 2,
+    max_position_embeddings: int = 0,
 ):
     """`auto`: vLLM when a GPU and vLLM are present, otherwise the HF engine. `vllm` also runs on CPU
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
     `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU. `engine_dtype`
     bf16: the HF engine generates with a bf16 copy of the weights and returns its log-probs (the mismatch/ metrics
-    measure it)."""
+    measure it). `max_position_embeddings` > 0: vLLM's model config gets it too (hf_overrides)."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
-            model, tokenizer, resolve_model_path(model_path), max_model_len, seed, gpu_memory_utilization, dtype
+            model,
+            tokenizer,
+            resolve_model_path(model_path),
+            max_model_len,
+            seed,
+            gpu_memory_utilization,
+            dtype,
+            sleep_level=vllm_sleep_level,
+            max_position_embeddings=max_position_embeddings,
         )
     low = engine_dtype == "bf16"
     dtype = torch.bfloat16 if low else None
@@ -1616,7 +1731,9 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     """Atomic: everything goes to a temporary folder that is renamed into place; a kill at any point leaves the
     previous checkpoint intact. The optimizer state is a Distributed Checkpoint, written sharded as it is held
     (one process: whole), readable by any world size. `keep_last` > 0 removes older checkpoints so that at most
-    that many of steps <= `step` remain."""
+    that many of steps <= `step` remain: before the write when at least one stays (so the disk holds at most
+    `keep_last`), after it for `keep_last` 1. A checkpoint the free disk cannot hold stops the run before it is
+    written (RunError on every rank)."""
     w = common.world()
     ckpt_root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(ckpt_root, f"step_{step:06d}")
@@ -1625,6 +1742,16 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         os.makedirs(ckpt_root, exist_ok=True)
         _remove_stale_tmp(ckpt_root)
         shutil.rmtree(tmp, ignore_errors=True)
+        if keep_last >= 2:
+            _retire_checkpoints(run_dir, step, keep_last)
+    need = checkpoint_bytes(model)
+    ensure_disk(
+        ckpt_root,
+        need,
+        f"the checkpoint of step {step}",
+        "free space or raise --save-every / lower --keep-last, then continue with --resume "
+        + (f"{run_dir} (its newest checkpoint is intact)" if checkpoint_dirs(run_dir) else run_dir),
+    )
     w.barrier()
     save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))  # several processes: rank 0 writes it
     import torch.distributed.checkpoint as dcp
@@ -1652,12 +1779,73 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    if keep_last > 0:
-        older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
-        for old in older[keep_last - 1 :]:
-            shutil.rmtree(old, ignore_errors=True)
+    if keep_last == 1:
+        _retire_checkpoints(run_dir, step, keep_last)
     w.barrier()  # the other ranks wait in save_checkpoint's early return
     return final
+
+
+def _retire_checkpoints(run_dir: str, step: int, keep_last: int) -> None:
+    """Remove the checkpoints older than `step` beyond the newest keep_last - 1 (with step's own: keep_last)."""
+    older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
+    for old in older[keep_last - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's weights as save_hf_folder writes them: every parameter once (a tied head once), in its
+    dtype (fp32 master weights: 4 bytes each)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def checkpoint_bytes(model) -> int:
+    """Bytes of one checkpoint: the weights plus AdamW's two moments of every trainable parameter (in its dtype)."""
+    return model_bytes(model) + sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def free_disk_bytes(path: str) -> int:
+    """Free bytes on the file system that holds `path` (or would: its nearest existing folder), rank 0's."""
+    w = common.world()
+    return w.broadcast_object(shutil.disk_usage(_nearest_existing(path)).free if w.is_main else None)
+
+
+def ensure_disk(folder: str, need: int, what: str, hint: str) -> None:
+    """RunError on every rank when `folder`'s file system has less than `need` bytes (and 5% more) free."""
+    free = free_disk_bytes(folder)
+    if need * 1.05 > free:
+        error = RunError(f"{what} needs about {_gb(need)}, {_gb(free)} are free on {folder}: {hint}")
+        error.on_every_rank = True
+        raise error
+
+
+def plan_checkpoints(run_dir: str, model, save_every: int, keep_last: int, total_steps: int) -> None:
+    """When a run starts: one line with a checkpoint's size, how many the disk holds at most, and what is free; a
+    UserError when the free disk cannot hold the final model (and one checkpoint, with --save-every)."""
+    ckpt, weights, free = checkpoint_bytes(model), model_bytes(model), free_disk_bytes(run_dir)
+    saves = math.ceil(total_steps / save_every) if save_every else 0  # the last step is always saved
+    at_once = saves if keep_last == 0 else 2 if keep_last == 1 else keep_last  # keep_last 1: the new one, then the old goes
+    held = min(saves, at_once)
+    peak = held * ckpt + weights  # the final model is written after the last checkpoint
+    line = f"the final model: {_gb(weights)}"
+    if saves:
+        kept = f"the newest {keep_last} kept" if keep_last else "all kept (--keep-last 0)"
+        line = (
+            f"checkpoints: {_gb(ckpt)} each ({_gb(weights)} of weights, {_gb(ckpt - weights)} of AdamW state), "
+            f"{saves} in this run, {kept}: up to {_gb(peak)} on disk with the final model"
+        )
+    if weights + (ckpt if saves else 0) > free:
+        raise UserError(
+            f"{line}, but {_gb(free)} are free on {_nearest_existing(run_dir)}: free space, or write the run elsewhere "
+            "with --output-dir"
+        )
+    common.CONSOLE.info(
+        f"{line}; {_gb(free)} free"
+        + ("" if peak <= free else " (not enough for all of them: a checkpoint that does not fit stops the run first)")
+    )
 
 
 def _fsync_tree(root: str) -> None:
@@ -1710,11 +1898,15 @@ def save_hf_folder(model, tokenizer, path: str) -> None:
 
 
 def save_final_model(run_dir: str, model, tokenizer) -> str:
-    """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path."""
+    """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path. A model the free disk
+    cannot hold stops the run before it is written (RunError on every rank)."""
     w = common.world()
     final = os.path.join(run_dir, "final")
     if w.is_main:
         _remove_stale_tmp(run_dir)
+    ckpts = checkpoint_dirs(run_dir)
+    hint = f"the checkpoint {ckpts[0]} holds the trained model" if ckpts else "no checkpoint holds the trained model"
+    ensure_disk(run_dir, model_bytes(model), "the final model", f"{hint}; free space")
     tmp = os.path.join(run_dir, f".tmp_final_{w.broadcast_object(os.getpid())}")  # rank 0's pid names it
     save_hf_folder(model, tokenizer, tmp)
     if w.is_main:

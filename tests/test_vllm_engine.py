@@ -43,7 +43,10 @@ class StubTokenizer:
 def fake(monkeypatch):
     mod = fake_vllm.install(monkeypatch, fake_vllm.make_fake_vllm(vocab_size=VOCAB, eos_token_id=EOS))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    return mod
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the GPU build's LLM() then sets torch's threads to 1
+    threads = torch.get_num_threads()
+    yield mod
+    torch.set_num_threads(threads)  # a test that builds the fake LLM alone leaves 1
 
 
 @pytest.fixture
@@ -93,6 +96,7 @@ def test_constructor_kwargs_and_env(fake):
         gpu_memory_utilization=0.3,
         max_model_len=128,
         enable_sleep_mode=True,
+        sleep_mode_offload_cudagraph=True,  # CUDA graphs to the host while asleep (else they stay on the GPU)
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
     )
@@ -159,7 +163,16 @@ def test_generate_builds_prompts_and_sampling_params(fake):
     kw = dict(sp.kwargs)
     bias = kw.pop("logit_bias")
     assert kw == dict(
-        n=3, temperature=0.9, top_p=1.0, top_k=0, min_p=0.0, max_tokens=4, logprobs=0, seed=None, detokenize=False
+        n=3,
+        temperature=0.9,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=4,
+        logprobs=0,
+        flat_logprobs=True,
+        seed=None,
+        detokenize=False,
     )
     assert bias == {i: float("-inf") for i in range(VOCAB - 4, VOCAB)}  # ids the tokenizer cannot decode
 
@@ -346,22 +359,95 @@ def test_sleep_wake_order(fake):
     assert len(out) == 1
 
 
-def test_sleep_is_level_1(fake):
-    eng = make_engine()
-    eng.sleep()
-    ((_, payload),) = calls(fake, "sleep")
-    assert payload == {"level": 1, "mode": "abort"}
+def test_sleep_is_level_2_by_default_and_1_on_request(fake):
+    make_engine().sleep()
+    make_engine(sleep_level=1).sleep()
+    assert [p for _, p in calls(fake, "sleep")] == [{"level": 2, "mode": "abort"}, {"level": 1, "mode": "abort"}]
+    with pytest.raises(ValueError, match="sleep_level"):
+        make_engine(sleep_level=3)
 
 
 def test_wake_without_model_and_wake_when_awake(fake):
-    eng = make_engine()
-    eng.wake(Tiny())  # as infra.make_engine() does right after construction: push only
+    eng = make_engine(sleep_level=1)
+    eng.wake(Tiny())  # the first wake (the scripts' first evaluation or rollout): push only
     assert [n for n, _ in fake.calls if n in ("wake_up", "sleep")] == []
     assert calls(fake, "load_weights") and calls(fake, "reset_prefix_cache")
     eng.sleep()
     fake.calls.clear()
-    eng.wake(None)
+    eng.wake(None)  # level 1 kept the weights: nothing to push
     assert [(n, p["tags"]) for n, p in fake.calls] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+
+
+def test_one_push_per_weight_version(fake):
+    """wake(model, version) pushes when the version (the optimizer updates so far) changed since the last push; a
+    level-2 sleep discarded the weights, so the next wake pushes whatever the version. On the code before, every
+    wake pushed: the evaluation's wake and the next step's wake pushed the same weights twice."""
+    eng, model = make_engine(), Tiny()
+    pushes = lambda: len(calls(fake, "reload_weights"))  # noqa: E731
+    eng.wake(model, version=0)  # the evaluation before training
+    eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+    eng.wake(model, version=0)  # step 1's rollout: the same weights
+    assert pushes() == 1 and eng.pushes == 1
+    eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+    eng.sleep()  # level 2: the weights are gone
+    eng.wake(model, version=2)  # step 2, after two updates
+    assert pushes() == 2
+    eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)  # the fake refuses discarded weights
+    eng.wake(model, version=2)
+    eng.wake(model, version=None)  # no version: always push
+    assert pushes() == 3
+    eng.sleep()
+    eng.wake(model, version=2)  # same version, but discarded by the sleep
+    assert pushes() == 4
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="discarded"):
+        eng.wake(None)
+
+
+def test_the_trainers_threads_are_restored_after_the_engine_is_built(fake):
+    """vLLM's GPU worker sets torch's threads to 1 for the whole process (unless OMP_NUM_THREADS is set); the engine
+    gives the trainer its count back and uses vLLM's only inside its calls. On the code before, the trainer kept 1."""
+    torch.set_num_threads(2)
+    seen = []
+    eng = make_engine()
+    assert torch.get_num_threads() == 2 and eng.engine_threads == 1
+    original = fake.LLM.generate
+
+    def generate(self, *a, **k):
+        seen.append(torch.get_num_threads())
+        return original(self, *a, **k)
+
+    fake.LLM.generate = generate
+    try:
+        eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+    finally:
+        fake.LLM.generate = original
+    assert seen == [1] and torch.get_num_threads() == 2
+
+
+def test_flat_logprobs_are_read_without_a_dict_per_token(fake):
+    eng = make_engine()
+    out = eng.generate([[5], [6]], n=2, max_new_tokens=4, temperature=1.0)
+    ((_, payload),) = calls(fake, "generate")
+    assert payload["sampling_params"].flat_logprobs is True
+    for r in range(len(out)):  # the fake's log-prob of position p of completion j: -0.01 (p + 1) - 0.001 j
+        j = r % 2
+        assert out.engine_logp(r) == pytest.approx([-0.01 * (p + 1) - 0.001 * j for p in range(len(out.completion(r)))])
+    flat = fake_vllm.FlatLogprobs([0, 1], [1, 2], [7, 8], [-0.5, -0.25], [1, 1], [None, None])
+    assert engines._sampled_logprobs(flat, [7, 8]) == [-0.5, -0.25]
+    with pytest.raises(RuntimeError, match="not those of the sampled tokens"):
+        engines._sampled_logprobs(flat, [7, 9])
+    with pytest.raises(RuntimeError, match="no per-token log-prob"):
+        engines._sampled_logprobs(flat, [7])
+    per_position = [{7: fake_vllm.Logprob(-0.5)}, {8: fake_vllm.Logprob(-0.25)}]  # the form without flat_logprobs
+    assert engines._sampled_logprobs(per_position, [7, 8]) == [-0.5, -0.25]
+
+
+def test_an_extended_context_reaches_vllm(fake):
+    make_engine(max_position_embeddings=32768)
+    make_engine()
+    first, second = (p["kwargs"] for _, p in calls(fake, "LLM.__init__"))
+    assert first["hf_overrides"] == {"max_position_embeddings": 32768} and "hf_overrides" not in second
 
 
 def test_push_while_weights_asleep_is_refused(fake):
@@ -402,7 +488,9 @@ def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
     )
     assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
     assert calls(fake_cpu, "LLM.__init__")[0][1]["kwargs"]["dtype"] == "float32"
-    assert calls(fake_cpu, "reload_weights")  # first push right after construction
+    assert not calls(fake_cpu, "reload_weights")  # the first push is the scripts' first wake(model)
+    eng.wake(Tiny())
+    assert calls(fake_cpu, "reload_weights")
 
 
 def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
@@ -482,6 +570,7 @@ def test_constructor_under_torch_distributed(fake, monkeypatch):
         gpu_memory_utilization=0.35,
         max_model_len=128,
         enable_sleep_mode=True,
+        sleep_mode_offload_cudagraph=True,  # CUDA graphs to the host while asleep (else they stay on the GPU)
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
         distributed_executor_backend="external_launcher",
