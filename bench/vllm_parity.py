@@ -124,6 +124,7 @@ def main() -> int:
         gen_batch_size=64,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
+    engine.wake(model, version=0)  # as the scripts' first evaluation does: the trainer's weights pushed
     start_s = time.time() - t
     import vllm
 
@@ -140,7 +141,7 @@ def main() -> int:
     def row(check, value, note=""):
         rows.append({"check": check, "value": value, "note": note})
 
-    row("engine start", f"{start_s:.1f} s", "make_engine incl. first push")
+    row("engine start", f"{start_s:.1f} s", "make_engine and the first wake(model) with its push")
     k = args.max_new_tokens
     gv, gh = greedy_vllm(engine, prompts, k), greedy_hf(model, tok, prompts, k)
     same = sum(a == b for a, b in zip(gv, gh))
@@ -177,7 +178,9 @@ def main() -> int:
             f"restored {m_back:.1e}; push {push_s:.2f} s; {'OK' if good else 'FAIL'}",
         )
 
-    # sleep / wake (real memory release only where the platform has sleep mode)
+    # sleep / wake (real memory release only where the platform has sleep mode): level 1 first, whose weights come
+    # back without a push, then level 2 (the default), whose weights are discarded and pushed again by wake(model)
+    engine.sleep_level = 1
     perturb(model, "all", seed=2)
     engine.push_weights(model)
     before = free_mem()
@@ -218,6 +221,26 @@ def main() -> int:
         "sleep/wake",
         f"kept {m_kept:.1e} vs original {m_orig:.1e}",
         f"generate asleep refused: {refused}; wake(model) {wake_push_s:.2f} s then {m_wp:.1e}; {'OK' if good else 'FAIL'}",
+    )
+    engine.sleep_level = 2
+    before = free_mem()
+    t = time.time()
+    engine.sleep()
+    sleep_s, asleep = time.time() - t, free_mem()
+    t = time.time()
+    engine.wake(model, version=0)  # discarded: pushed whatever the version
+    wake_push_s = time.time() - t
+    r = engine.generate(prompts, 2, 16, 1.0, seed=23, progress=False)
+    m_l2, _ = logp_diff(model, r, pad, 1.0)
+    pushes = engine.pushes
+    engine.wake(model, version=0)  # awake, the same version: no push
+    good = m_l2 < 10 * max(m_wp, 1e-3) and engine.pushes == pushes
+    ok &= good
+    row(
+        "sleep level 2",
+        f"freed {asleep - before:.2f} GiB" if engine.sleep_mode else "n/a (no sleep mode)",
+        f"sleep {sleep_s:.2f} s, wake(model) with its push {wake_push_s:.2f} s, then {m_l2:.1e}; "
+        f"a second wake of the same version pushed {engine.pushes - pushes} times; {'OK' if good else 'FAIL'}",
     )
 
     print(f"\n{env}")

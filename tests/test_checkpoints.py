@@ -242,6 +242,68 @@ def test_keep_last_never_removes_the_new_or_a_newer_checkpoint(saved):
     assert sorted(os.listdir(run / "checkpoints")) == ["step_000004", "step_000005"]
 
 
+def _save(s, step, **kw):
+    infra.save_checkpoint(str(s["run"]), step, s["model"], s["tokenizer"], s["optimizer"], s["scheduler"], {}, **kw)
+
+
+def test_keep_last_retires_old_checkpoints_before_the_write(saved, monkeypatch):
+    """--keep-last 2: the checkpoints the write would retire go first (the newest stays intact), so the disk never
+    holds more than two; --keep-last 1: the old one goes once the new one is complete. On the code before, each write
+    sat beside every kept checkpoint (three at once with --keep-last 2)."""
+    run, present = saved["run"], []
+    write = infra.save_hf_folder
+
+    def counting(model, tokenizer, path):
+        present.append(len(infra.checkpoint_dirs(str(run))))
+        write(model, tokenizer, path)
+
+    monkeypatch.setattr(infra, "save_hf_folder", counting)
+    _save(saved, 4, keep_last=2)
+    _save(saved, 5, keep_last=2)
+    assert present == [1, 1] and sorted(os.listdir(run / "checkpoints")) == ["step_000004", "step_000005"]
+    _save(saved, 6, keep_last=1)
+    assert present[-1] == 2 and os.listdir(run / "checkpoints") == ["step_000006"]
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_before_it_is_written(saved, monkeypatch):
+    run, model = saved["run"], saved["model"]
+    usage = shutil.disk_usage(run)
+    need = infra.checkpoint_bytes(model)
+    monkeypatch.setattr(infra.shutil, "disk_usage", lambda path: usage._replace(free=need // 2))
+    with pytest.raises(verifiers.RunError, match=rf"checkpoint of step 4 needs about .*, .* are free on .*--resume {run}"):
+        _save(saved, 4, keep_last=2)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000003"]  # retired by --keep-last 2; nothing half-written
+    assert infra.find_resume(str(run))[2]["step"] == 3
+    monkeypatch.setattr(infra.shutil, "disk_usage", lambda path: usage._replace(free=infra.model_bytes(model) // 2))
+    with pytest.raises(verifiers.RunError, match="the final model needs about .*step_000003 holds the trained model"):
+        infra.save_final_model(str(run), model, saved["tokenizer"])
+    assert not os.path.exists(run / "final") and not [n for n in os.listdir(run) if n.startswith(".tmp")]
+
+
+def test_the_checkpoint_size_is_said_when_a_run_starts_and_is_what_a_checkpoint_holds(saved, tmp_path, monkeypatch, capsys):
+    model = saved["model"]
+    weights = sum(p.numel() for p in model.parameters()) * 4  # fp32
+    assert infra.model_bytes(model) == weights and infra.checkpoint_bytes(model) == 3 * weights  # + two AdamW moments
+    # against the files of a real checkpoint, of a model large enough for the per-tensor headers not to count
+    wide = infra.load_model(tiny.make_tiny_model(str(tmp_path / "wide"), hidden=256), torch.device("cpu"))
+    optimizer, scheduler = infra.make_optimizer(wide, 1e-3, 0.0, 1)
+    wide(torch.tensor([[3, 4, 5]])).logits.mean().backward()
+    optimizer.step()
+    ckpt = infra.save_checkpoint(str(tmp_path / "run"), 1, wide, saved["tokenizer"], optimizer, scheduler, {})
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(ckpt) for f in files)
+    assert 1.0 <= on_disk / infra.checkpoint_bytes(wide) < 1.05, (on_disk, infra.checkpoint_bytes(wide))
+    capsys.readouterr()
+    infra.plan_checkpoints(str(saved["run"]), model, save_every=10, keep_last=2, total_steps=100)
+    out = capsys.readouterr().out
+    size = f"{3 * weights / 1e6:.3g} MB"
+    assert f"checkpoints: {size} each" in out and "10 in this run, the newest 2 kept" in out and "free" in out
+    usage = shutil.disk_usage(saved["run"])
+    monkeypatch.setattr(infra.shutil, "disk_usage", lambda path: usage._replace(free=weights))
+    with pytest.raises(verifiers.UserError, match="free on .*--output-dir"):
+        infra.plan_checkpoints(str(saved["run"]), model, save_every=10, keep_last=2, total_steps=100)
+    infra.plan_checkpoints(str(saved["run"]), model, save_every=0, keep_last=2, total_steps=100)  # the final model fits
+
+
 def test_save_removes_half_written_tmp_folders(saved, capsys):
     run, s = saved["run"], saved
     stale = run / "checkpoints" / ".tmp_step_000009_424242"

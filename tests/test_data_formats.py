@@ -156,20 +156,47 @@ def test_completion_longer_than_the_context_is_refused_before_the_weights_load(m
     code, out = run_main("grpo", argv + ["--max-new-tokens", "10000000"], monkeypatch, capsys)
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1, out.err
-    assert "exceed the model's context of 256 tokens" in errors[0] and "at most" in errors[0]
+    assert "--max-new-tokens 10000000 leaves no room for a prompt in the model's context of 256 tokens" in errors[0]
+    code, out = run_main("grpo", argv + ["--max-new-tokens", "200"], monkeypatch, capsys)  # prompts of ~100 tokens
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out.err
+    assert "the longest evaluation prompt" in errors[0] and "256 tokens" in errors[0] and "at most" in errors[0]
     mod = importlib.import_module("grpo")
     with pytest.raises(Loaded):  # a completion that fits gets past the check, to the weights
         mod.main(infra.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
+    # --max-position-embeddings extends the context: the 200 new tokens then fit too
+    with pytest.raises(Loaded):
+        mod.main(infra.parse_args(mod.Args, argv + ["--max-new-tokens", "200", "--max-position-embeddings", "512"]))
 
 
-def test_context_length_is_the_longest_prompt_of_train_and_eval(tmp_path):
-    tok = tiny.make_tokenizer()
-    model = tiny.make_tiny_model(str(tmp_path / "model"))
-    rows = PLAIN_ROWS + [{"question": "What is " + "1 + " * 20 + "1?", "answer": "21"}]
-    task = verifiers.load_task(write(tmp_path, "d.jsonl", rows), "train", 0)
-    longest = max(len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems)
-    assert infra.context_length(model, tok, task, [[[1, 2, 3]]], "", 10) == longest + 10
-    assert infra.context_length(model, tok, None, [[[1] * 40]], "", 10) == 50  # eval-only: the eval prompts
+def _task_with_a_long_prompt(tmp_path):
+    rows = PLAIN_ROWS + [{"question": "What is " + "1 + " * 60 + "1?", "answer": "61"}]  # char tokens: about 330
+    where = [f"{tmp_path}/d.jsonl:{i + 1}" for i in range(len(rows))]
+    return verifiers.Task("d.jsonl", "arith", rows, verifiers.ARITH_INSTRUCTION, where=where)
+
+
+def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, capsys):
+    tok, model = tiny.make_tokenizer(), tiny.make_tiny_model(str(tmp_path / "model"))  # context 256
+    task = _task_with_a_long_prompt(tmp_path)
+    lengths = [len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems]
+    assert lengths[-1] > 246 >= max(lengths[:-1])
+    kept, context = infra.fit_context(model, tok, task, [[[1, 2, 3]]], system_prompt="", max_new_tokens=10)
+    assert kept.problems == task.problems[:-1] and kept.where == task.where[:-1]
+    assert context == max(lengths[:-1]) + 10  # the engine's context: the longest prompt kept + the new tokens
+    out = capsys.readouterr().out
+    assert (
+        f"dropped 1 of 11 training prompts longer than 246 tokens (the model's context 256 minus --max-new-tokens 10); "
+        f"the longest kept has {max(lengths[:-1])} tokens" in out
+    )
+    with pytest.raises(verifiers.UserError, match=r"1 of 11 training prompts .* longer than 246 tokens.*d.jsonl:11"):
+        infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, long_prompts="error")
+    with pytest.raises(verifiers.UserError, match="none is left"):
+        infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, max_prompt_tokens=20)
+    kept, context = infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, max_position_embeddings=1024)
+    assert kept.problems == task.problems and context == lengths[-1] + 10  # an extended context holds them all
+    assert infra.fit_context(model, tok, None, [[[1] * 40]], system_prompt="", max_new_tokens=10)[1] == 50  # eval-only
+    with pytest.raises(verifiers.UserError, match=r"the longest evaluation prompt \(300 tokens\)"):
+        infra.fit_context(model, tok, None, [[[1] * 300]], system_prompt="", max_new_tokens=10)
 
 
 # ----- set-up and summary

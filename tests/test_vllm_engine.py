@@ -7,6 +7,7 @@ bench/vllm_parity.py)."""
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -666,3 +667,52 @@ def test_close_shuts_the_engine_core_once(fake):
     assert len(calls(fake, "engine_core.shutdown")) == 1
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate([[5]], n=1, max_new_tokens=2, temperature=1.0)
+
+
+# --- what the engine meets in a run: gradients, weight versions, a broken install --------------------------
+
+
+def test_a_run_frees_the_gradients_before_each_wake_and_pushes_once_per_weight_version(toy, tmp_path, monkeypatch):
+    """Every wake of grpo.py (an evaluation, a step's rollout) finds no gradient allocated, and the HF engine's bf16
+    copy takes the weights once per version: the evaluation after a step and the next step's rollout share one push.
+    On the code before: the gradients of a step's last mini-batch lived through the next rollout, and each of the 5
+    wakes pushed."""
+    import grpo
+
+    class Recording(engines.HFEngine):
+        wakes, pushes = [], 0
+
+        def wake(self, model=None, version=None):
+            Recording.wakes.append((version, all(p.grad is None for p in model.parameters())))
+            super().wake(model, version=version)
+
+        def push_weights(self, model):
+            Recording.pushes += 1
+            super().push_weights(model)
+
+    make = lambda kind, model, tokenizer, **kw: Recording(model, tokenizer, return_logps=True, dtype=torch.bfloat16)  # noqa: E731
+    monkeypatch.setattr(infra, "make_engine", make)
+    grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "run", eval_every=1)))
+    assert Recording.wakes == [(0, True), (0, True), (2, True), (2, True), (4, True)]  # 2 updates per step
+    assert Recording.pushes == 3
+
+
+def test_engine_auto_with_a_vllm_that_does_not_import_is_one_line_before_anything_loads(monkeypatch, tmp_path):
+    import grpo
+
+    broken = tmp_path / "site" / "vllm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = str(tmp_path / "runs")
+    with pytest.raises(verifiers.UserError) as error:
+        infra.validate_args(grpo.Args(output_dir=out))
+    assert str(error.value) == (
+        "--engine auto picks vLLM here (a GPU and vLLM are present), but `import vllm` fails (ImportError: "
+        "libcudart.so.13: cannot open shared object file); fix the install or use --engine hf"
+    )
+    with pytest.raises(verifiers.UserError, match=r"--engine vllm needs vLLM, but `import vllm` fails \(ImportError"):
+        infra.validate_args(grpo.Args(engine="vllm", output_dir=out))
+    infra.validate_args(grpo.Args(engine="hf", output_dir=out))  # the HF engine never imports it
