@@ -308,6 +308,9 @@ def test_fake_matches_installed_vllm():
     from vllm.outputs import CompletionOutput
 
     assert {f.name for f in dataclasses.fields(fake_vllm.Logprob)} == {f.name for f in dataclasses.fields(Logprob)}
+    from vllm.logprobs import FlatLogprobs
+
+    assert [f.name for f in dataclasses.fields(fake_vllm.FlatLogprobs)] == [f.name for f in dataclasses.fields(FlatLogprobs)]
     assert {f.name for f in dataclasses.fields(fake_vllm.CompletionOutput)} <= {
         f.name for f in dataclasses.fields(CompletionOutput)
     }
@@ -610,3 +613,40 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     assert all(m < LOGP_TOL_MEAN and x < LOGP_TOL_MAX for m, x in diffs)
     shards = os.listdir(tmp_path / "run" / "checkpoints" / "step_000002" / "optimizer")
     assert sorted(n for n in shards if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+
+# --- what the engine saves the trainer: threads, flat log-probs, one push per weight version ------------------
+
+
+def test_the_cpu_build_leaves_the_trainers_threads_and_returns_flat_logprobs(real):
+    """The CPU build turns torch.set_num_threads into a no-op (v1/worker/cpu_worker.py) instead of setting 1 as the
+    GPU build does: the trainer keeps its count, and the engine has nothing to restore. With flat_logprobs=True the
+    sampled tokens' log-probs come in flat lists (FlatLogprobs), the sampled token first at each position."""
+    from vllm.logprobs import FlatLogprobs
+
+    engine = real["engine"]
+    assert engine.trainer_threads == engine.engine_threads == torch.get_num_threads()
+    params = engine._sampling_params(2, 8, 1.0, seed=5)
+    (out,) = engine.llm.generate([{"prompt_token_ids": real["prompts"][0]}], params, use_tqdm=False)
+    for c in out.outputs:
+        assert isinstance(c.logprobs, FlatLogprobs) and len(c.logprobs) == len(c.token_ids)
+        assert [c.logprobs.token_ids[s] for s in c.logprobs.start_indices] == list(c.token_ids)
+
+
+def test_one_push_per_weight_version_on_the_real_engine(real):
+    """The wakes of a run with an evaluation after each step: before training (version 0), step 1's rollout (0),
+    the evaluation after step 1 (2 updates), step 2's rollout (2): two pushes, not four; the pushed weights are
+    the trainer's (the engine's log-probs match it after the second push)."""
+    engine, model, pad = real["engine"], real["model"], real["tokenizer"].pad_token_id
+    pushes = engine.pushes
+    for version in (0, 0, 2, 2):
+        if version == 2 and engine.pushed_version == 0:
+            perturb(model, "linear", seed=9)  # the optimizer's two updates
+        engine.wake(model, version=version)
+        rollout = engine.generate(real["prompts"], 2, 8, 1.0, seed=31, progress=False)
+        engine.sleep()
+    engine.wake(model, version=2)
+    assert engine.pushes - pushes == 2
+    assert logp_diff(model, rollout, pad, 1.0)[0] < LOGP_TOL_MEAN
+    restore(model, real["original"])
+    engine.wake(model)  # no version: pushed
