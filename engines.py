@@ -198,6 +198,11 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 # generator, which a CPU generator cannot: docs/vllm.md); a prompt is then always prefilled whole.
 _VLLM_CPU_BATCHED_TOKENS = 4096  # vLLM's own CPU default for LLM() (engine/arg_utils.py)
 _VLLM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# Rows (prompts x n) of one LLM.generate call: vLLM returns a call's outputs at its end, as Python objects of about
+# 130 bytes a sampled token even with flat log-probs (docs/vllm.md); a bigger batch is cut into calls of this many
+# rows, each packed into the RolloutBatch (8 bytes a token) before the next. Seeded requests draw the same
+# distribution whatever the cut; 8192 rows keep a GPU's scheduler full (its default max_num_seqs: 256 to 1024).
+VLLM_ROWS_PER_CALL = 8192
 
 
 def vllm_import_problem() -> str | None:
@@ -450,28 +455,33 @@ class VLLMEngine:
                 raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the 2^32 seeds one call may use")
             base = request_seed_base(seed)
             params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
-        prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
-        # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
-        # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
-        with self._engine_threads():
-            outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=bool(progress) and self.rank == 0)
-        if len(outputs) != P:
-            raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {P} prompts")
-
         out = common.RolloutBatch(with_engine_logps=True)
         undecodable = 0
-        for ids, request in zip(prompt_ids, outputs):  # LLM.generate returns outputs in prompt order
-            completions = sorted(request.outputs, key=lambda c: c.index)
-            if len(completions) != n:
-                raise RuntimeError(f"vLLM returned {len(completions)} completions for n={n}")
-            for c in completions:
-                if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
-                toks = [int(t) for t in c.token_ids]
-                logps = _sampled_logprobs(c.logprobs, toks)
-                decodable = [t for t in toks if t < self.num_decodable]
-                undecodable += len(toks) - len(decodable)
-                out.append_row(ids, toks, self.tokenizer.decode(decodable, skip_special_tokens=True), c.finish_reason, logps)
+        per_call = max(1, VLLM_ROWS_PER_CALL // n)  # prompts: a call's outputs are packed before the next call
+        for start in range(0, P, per_call):
+            chunk = prompt_ids[start : start + per_call]
+            prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk]
+            chunk_params = params if seed is None else params[start : start + per_call]
+            # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
+            # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+            with self._engine_threads():
+                outputs = self.llm.generate(prompts, sampling_params=chunk_params, use_tqdm=bool(progress) and self.rank == 0)
+            if len(outputs) != len(chunk):
+                raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(chunk)} prompts")
+            for ids, request in zip(chunk, outputs):  # LLM.generate returns outputs in prompt order
+                completions = sorted(request.outputs, key=lambda c: c.index)
+                if len(completions) != n:
+                    raise RuntimeError(f"vLLM returned {len(completions)} completions for n={n}")
+                for c in completions:
+                    if c.finish_reason not in ("stop", "length"):
+                        raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
+                    toks = [int(t) for t in c.token_ids]
+                    logps = _sampled_logprobs(c.logprobs, toks)
+                    decodable = [t for t in toks if t < self.num_decodable]
+                    undecodable += len(toks) - len(decodable)
+                    text = self.tokenizer.decode(decodable, skip_special_tokens=True)
+                    out.append_row(ids, toks, text, c.finish_reason, logps)
+            del outputs  # vLLM's Python objects (about 130 bytes a sampled token), before the next call
         self.num_undecodable_sampled = undecodable
         return out
 

@@ -1,22 +1,20 @@
 """What the vLLM engine costs the trainer's process, with the CPU build of vLLM (docs/vllm.md, "Hidden costs"):
 
 1. torch's intra-op threads before the engine is built, after, and inside a generate call;
-2. the host memory a generate call's outputs hold, per sampled token, with the sampled tokens' log-probs as
-   vLLM's default list of {token_id: Logprob} per position and as FlatLogprobs (SamplingParams(flat_logprobs=True),
-   what the engine asks for): Python objects counted by tracemalloc while the outputs are alive;
+2. the host memory a generate call's outputs hold per sampled token (a deep sizeof of their Python objects), the
+   sampled tokens' log-probs as vLLM's default list of {token_id: Logprob} per position and as FlatLogprobs
+   (SamplingParams(flat_logprobs=True), what the engine asks for);
 3. the weight pushes of a run's wakes (an evaluation after every step): one per weight version.
 
-    VLLM_CPU_CI_ENV=1 flock /tmp/cpu.lock /path/to/vllm-venv/bin/python bench/vllm_costs.py [--prompts 32 --n 8 --tokens 128]
+    VLLM_CPU_CI_ENV=1 flock /tmp/cpu.lock /path/to/vllm-venv/bin/python bench/vllm_costs.py [--prompts 8 --n 8 --tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
-import tracemalloc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -27,22 +25,36 @@ import common  # noqa: E402
 import infra  # noqa: E402
 
 
-def held_bytes(engine, prompts, n: int, tokens: int, flat: bool) -> tuple[int, int]:
-    """(bytes of Python objects the outputs hold, sampled tokens) of one generate call of the engine's LLM."""
+def deep_size(obj, seen: set | None = None) -> int:
+    """Bytes of `obj` and every Python object it reaches (lists, dicts, tuples, instance attributes, dataclass
+    fields), each counted once; tensors and modules are not expected here."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    size = sys.getsizeof(obj)
+    if isinstance(obj, dict):
+        size += sum(deep_size(k, seen) + deep_size(v, seen) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        size += sum(deep_size(v, seen) for v in obj)
+    elif hasattr(obj, "__dict__"):
+        size += deep_size(vars(obj), seen)
+    elif hasattr(obj, "__slots__"):
+        size += sum(deep_size(getattr(obj, k), seen) for k in obj.__slots__ if hasattr(obj, k))
+    return size
+
+
+def held_bytes(engine, prompts, n: int, tokens: int, flat: bool) -> tuple[int, int, int]:
+    """(bytes of the outputs' log-prob objects, bytes of the whole outputs, sampled tokens) of one generate call of
+    the engine's LLM, every row running to `tokens`."""
     params = engine._sampling_params(n, tokens, 1.0, seed=None)
     params.flat_logprobs = flat
     params.ignore_eos = True  # every row runs to `tokens`: the same work in both forms
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
     outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    gc.collect()
-    held = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
     sampled = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    assert all((hasattr(c.logprobs, "start_indices")) == flat for o in outputs for c in o.outputs)
-    del outputs
-    return held, sampled
+    assert all(hasattr(c.logprobs, "start_indices") == flat for o in outputs for c in o.outputs)
+    logprobs = deep_size([c.logprobs for o in outputs for c in o.outputs])
+    return logprobs, deep_size(outputs), sampled
 
 
 def main() -> None:
@@ -82,14 +94,18 @@ def main() -> None:
 
     questions = [f"Compute {i} plus {3 * i} and explain." for i in range(a.prompts)]
     prompts = [common.format_prompt(tokenizer, q) for q in questions]
-    print(f"\nhost memory of the outputs, {a.prompts} prompts x {a.n} x {a.tokens} tokens, logprobs=0:")
-    print("| log-probs as | bytes held | sampled tokens | bytes per token | generate s |")
-    print("|---|---|---|---|---|")
-    for flat in (False, True, False, True):
+    print(f"\nhost memory of the outputs, {a.prompts} prompts x {a.n} x {a.tokens} tokens, logprobs=0 (deep sizeof):")
+    print("| log-probs as | log-prob objects | whole outputs | sampled tokens | log-probs per token | generate s |")
+    print("|---|---|---|---|---|---|")
+    for flat in (False, True):
         t = time.time()
-        held, sampled = held_bytes(engine, prompts, a.n, a.tokens, flat)
+        logprobs, whole, sampled = held_bytes(engine, prompts, a.n, a.tokens, flat)
         name = "FlatLogprobs" if flat else "dict per position"
-        print(f"| {name} | {held / 2**20:.1f} MiB | {sampled} | {held / sampled:.0f} | {time.time() - t:.1f} |", flush=True)
+        print(
+            f"| {name} | {logprobs / 2**20:.2f} MiB | {whole / 2**20:.2f} MiB | {sampled} | {logprobs / sampled:.0f} B | "
+            f"{time.time() - t:.1f} |",
+            flush=True,
+        )
 
     pushes = engine.pushes
     update = 0

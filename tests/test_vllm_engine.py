@@ -444,6 +444,23 @@ def test_flat_logprobs_are_read_without_a_dict_per_token(fake):
     assert engines._sampled_logprobs(per_position, [7, 8]) == [-0.5, -0.25]
 
 
+def test_a_big_batch_is_generated_in_calls_of_bounded_rows(fake, monkeypatch):
+    """vLLM returns a call's outputs at its end as Python objects (about 130 bytes a sampled token with flat
+    log-probs): a batch larger than VLLM_ROWS_PER_CALL rows goes in several calls, each packed before the next; every
+    request keeps the seed of its group, and the rows keep their order. On the code before: one call for any batch
+    (the Mu-GRPO recipe's 65,536 prompts x 8 in one)."""
+    monkeypatch.setattr(engines, "VLLM_ROWS_PER_CALL", 8)
+    eng = make_engine()
+    prompts = [[5 + i] for i in range(5)]
+    out = eng.generate(prompts, n=4, max_new_tokens=3, temperature=1.0, seed=100, group_ids=[7, 1, 2, 3, 4])
+    sizes = [len(p["prompts"]) for _, p in calls(fake, "generate")]
+    assert sizes == [2, 2, 1]  # 8 rows a call: 2 prompts of n = 4
+    seeds = [sp.seed for _, p in calls(fake, "generate") for sp in p["sampling_params"]]
+    base = engines.request_seed_base(100)
+    assert seeds == [(base + k * 4) % 2**32 for k in (7, 1, 2, 3, 4)]
+    assert [out.prompt(r) for r in range(len(out))] == [p for p in prompts for _ in range(4)]
+
+
 def test_an_extended_context_reaches_vllm(fake):
     make_engine(max_position_embeddings=32768)
     make_engine()
