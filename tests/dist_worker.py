@@ -68,7 +68,7 @@ class ScriptedEngine:
     def sleep(self):
         return None
 
-    def wake(self, model=None):
+    def wake(self, model=None, version=None):
         return None
 
 

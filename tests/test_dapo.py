@@ -212,7 +212,7 @@ class VariedEngine:
                 out.append_row(ids, toks, self.tokenizer.decode(toks, skip_special_tokens=True), "length" if cut else "stop")
         return out
 
-    def wake(self, model=None):
+    def wake(self, model=None, version=None):
         return None
 
     def sleep(self):

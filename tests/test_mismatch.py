@@ -153,7 +153,7 @@ class CopyEngine(engines.HFEngine):
         super().__init__(copy.deepcopy(model), tokenizer, gen_batch_size=64, return_logps=True)
         self.skip, self.wakes = skip, 0
 
-    def wake(self, model=None):
+    def wake(self, model=None, version=None):
         if model is not None:
             self.wakes += 1
             if self.wakes != self.skip:
