@@ -538,16 +538,17 @@ def _completion_logps(
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     flat_targets = batch.completion_ids.to(device)[mask]
+    chunk_fn = getattr(model, "compiled_chunk_logp_entropy", None) or _chunk_logp_entropy  # --compile: infra.compile_model
     logps, ents = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
         with autocast_context(model):  # the recompute in backward restores the same autocast state
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
-                    _chunk_logp_entropy, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False
+                    chunk_fn, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False
                 )
             else:
-                lp, ent = _chunk_logp_entropy(h, head.weight, head.bias, y, temperature, softcap)
+                lp, ent = chunk_fn(h, head.weight, head.bias, y, temperature, softcap)
         logps.append(lp)
         ents.append(ent)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)

@@ -52,7 +52,9 @@ class HFEngine:
         self.sampler = model  # the model generation runs on: the trainer's own, or its low-precision copy
         self.synced_version = None  # the weight version the copy holds (wake)
         if dtype is not None and dtype != next(model.parameters()).dtype:
-            self.sampler = copy.deepcopy(model).eval().requires_grad_(False)
+            compiled = [getattr(m, "_compiled_call_impl", None) for m in model.modules()]  # --compile: not copied
+            compiled.append(getattr(model, "compiled_chunk_logp_entropy", None))
+            self.sampler = copy.deepcopy(model, {id(c): None for c in compiled if c is not None}).eval().requires_grad_(False)
             for param in self.sampler.parameters():  # weights only: buffers (rotary frequencies) keep fp32
                 param.data = param.data.to(dtype)
 
@@ -88,7 +90,8 @@ class HFEngine:
         model.eval()
         # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
         # tensors that backward may not update ("Inplace update to inference tensor outside InferenceMode")
-        with torch.no_grad() if synced else torch.inference_mode(), common.autocast_context(model):
+        eager = torch.compiler.set_stance("force_eager")  # --compile's layers run eagerly here: no decode-shape compiles
+        with torch.no_grad() if synced else torch.inference_mode(), common.autocast_context(model), eager:
             try:
                 for start in range(0, len(rows), chunk):
                     batch = [torch.tensor(r) for r in rows[start : start + chunk]]

@@ -152,7 +152,9 @@ def main(args: Args) -> None:
     # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
     context = dict(max_position_embeddings=args.max_position_embeddings)  # 0: the model's own context
     model = infra.shard_model(
-        infra.load_model(model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype, **context)
+        infra.load_model(
+            model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype, compile=args.compile, **context
+        )
     )
     ref_model = (
         infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype, **context))

@@ -171,6 +171,12 @@ class Args:
     gradient_checkpointing: bool = arg(
         False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
     )
+    compile: bool = arg(
+        False,
+        "torch.compile each decoder layer and the LM head's log-softmax chunk for the training passes (inductor: "
+        "fused kernels; a minute or more of compiling at start; docs/performance.md); a model or device it cannot "
+        "compile stops the run before training, with the compiler's error",
+    )
     eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
     eval_samples: int = arg(4, "samples per evaluation problem (n)")
     eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
@@ -1102,8 +1108,10 @@ def load_model(
     trainable: bool = True,
     compute_dtype: torch.dtype | None | str = "auto",
     max_position_embeddings: int = 0,
+    compile: bool = False,
 ):
-    """Causal LM on `device`, its context extended to `max_position_embeddings` positions where that is > 0.
+    """Causal LM on `device`, its context extended to `max_position_embeddings` positions where that is > 0;
+    `compile`: its training passes compiled (compile_model).
     `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU; or a torch dtype) is the
     autocast dtype of its forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
 
@@ -1134,10 +1142,38 @@ def load_model(
                 f"note: {name} trains with dropout as its config sets it ({dropout}); trainer log-probs of "
                 "training-mode forward passes then differ from the sampler's (docs/precision.md)"
             )
+        if compile:
+            compile_model(model)
     else:
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for --compile
+
+
+def compile_model(model) -> None:
+    """--compile: torch.compile every decoder layer (shapes marked dynamic after the first: micro-batches vary in
+    length) and the LM head's log-softmax chunk (common._completion_logps uses `model.compiled_chunk_logp_entropy`),
+    then one forward and backward of a 4 + 4-token row, so that a model or device the compiler cannot handle stops
+    the run here, before training, with the compiler's error (one UserError line). Weights and RNG untouched.
+    Generation never runs the compiled code (HFEngine.generate: eager)."""
+    for layer in decoder_layers(model):
+        layer.compile(backend=COMPILE_BACKEND)
+    model.compiled_chunk_logp_entropy = torch.compile(common._chunk_logp_entropy, backend=COMPILE_BACKEND)
+    device = next(model.parameters()).device
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            logp, _ = common.completion_logps(model, common.pad_batch([[1, 2, 3, 4]], [[5, 6, 7, 8]], 0), 1.0, 4)
+            logp.sum().backward()
+    except Exception as exc:  # whatever the compiler raised (a missing Triton, a C++ toolchain, an unsupported op)
+        raise UserError(
+            f"--compile: torch.compile failed on this model and device ({type(exc).__name__}: "
+            f"{(str(exc).strip().splitlines() or [''])[0][:300]}); run without --compile"
+        ) from None
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
 def model_dtypes(
