@@ -124,6 +124,7 @@ SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003
 MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
 ROUND_SEED_STRIDE = 10_000_019  # dynamic sampling's round k of step s samples with seed + s + 10_000_019 * k
 EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
+LORA_SEED_OFFSET = 7919  # LoRA's A matrices (infra.add_lora): seed + 7919, the same on every rank
 
 
 def minibatch_generator(seed: int, step: int) -> torch.Generator:

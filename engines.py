@@ -448,6 +448,41 @@ def hf_param_name(name: str) -> str:
     return name
 
 
+LORA_ADAPTER = "default"  # PEFT's name of the one adapter a LoRA run trains (infra.add_lora)
+
+
+def lora_layers(model) -> dict[str, torch.nn.Module]:
+    """{module name: PEFT LoRA layer} of a model with LoRA adapters; {} for a plain model."""
+    return {name: m for name, m in model.named_modules() if LORA_ADAPTER in getattr(m, "lora_A", ())}
+
+
+def merged_lora_weight(layer) -> torch.Tensor:
+    """A LoRA layer's weight with its adapter merged, W + (alpha / r) B A (transposed for fan-in-fan-out layers), the
+    sum in fp32 and cast to W's dtype: what PEFT's merge_adapter writes into W, bit for bit, computed out of place so
+    the layer is untouched (an in-place merge and unmerge drifts a bf16 base: docs/lora.md). FSDP2 shards are
+    gathered (full_tensor: a collective, so every rank calls this for the same layers in the same order)."""
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    weight = full(layer.get_base_layer().weight.detach())
+    a, b = full(layer.lora_A[LORA_ADAPTER].weight.detach()), full(layer.lora_B[LORA_ADAPTER].weight.detach())
+    delta = (b.float() @ a.float()) * layer.scaling[LORA_ADAPTER]
+    return (weight.float() + (delta.T if layer.fan_in_fan_out else delta)).to(weight.dtype)
+
+
+def plain_parameters(model, remove_duplicate: bool = True) -> list[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
+    """(HF name, parameter, LoRA layer or None) of every weight of the model as a plain model without adapters holds
+    it: a LoRA layer's base weight under its layer's name with the layer (to merge: merged_lora_weight), its adapters
+    left out. A plain model: its parameters, with None."""
+    layers = lora_layers(model)
+    out = []
+    for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        if ".lora_" in name and layers:
+            continue
+        owner, _, leaf = name.rpartition(".base_layer.")
+        layer = layers.get(owner) if leaf == "weight" else None
+        out.append((hf_param_name(f"{owner}.{leaf}" if owner and owner in layers else name), param, layer))
+    return out
+
+
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     """The sampled token's log-prob at each position of a completion. `logprobs` is vLLM's FlatLogprobs
     (SamplingParams(flat_logprobs=True): flat lists, position i's entries from start_indices[i], the sampled token
@@ -742,17 +777,21 @@ class VLLMEngine:
             from torch.distributed.tensor import DTensor
         # remove_duplicate=False: a tied LM head is yielded as lm_head.weight too. On a GPU vLLM shares one
         # tensor and loads it twice; the CPU build packs the head separately and keeps the old one otherwise.
-        named = list(model.named_parameters(remove_duplicate=False))
+        # A LoRA layer's weight goes merged with its adapter, under the base's name (vLLM holds the plain model).
+        named = plain_parameters(model, remove_duplicate=False)
         seen: dict[int, int] = {}
-        for _, param in named:
+        for _, param, _ in named:
             seen[id(param)] = seen.get(id(param), 0) + 1
         shared: dict[int, torch.Tensor] = {}  # a tied parameter is gathered once
         consumed = 0
 
         def named_weights():
             nonlocal consumed
-            for name, param in named:
+            for name, param, lora in named:
                 consumed += 1
+                if lora is not None:  # merged in the trainer's dtype, then cast to the engine's
+                    yield name, merged_lora_weight(lora).to(dtype)
+                    continue
                 t = param.detach().to(dtype)  # cast the shard first: the gather then moves the engine's dtype
                 if DTensor is not None and isinstance(t, DTensor):
                     # FSDP2 shard -> full tensor: a collective, so every rank runs it, in the same order (the
@@ -764,7 +803,7 @@ class VLLMEngine:
                         t = t.full_tensor()
                         if seen[id(param)] > 1:
                             shared[id(param)] = t
-                yield hf_param_name(name), t
+                yield name, t
 
         weights = named_weights()
         with self._engine_threads():

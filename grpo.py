@@ -124,7 +124,8 @@ def main(args: Args) -> None:
     # checkpoint (HF folder + trainer state) read and checked before the model loads
     resume = infra.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
     run_dir = resume.run_dir if resume else infra.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
-    model_path = resume.model_dir if resume else args.model
+    model_path = resume.model_dir if resume else args.model  # a LoRA checkpoint's: its base (adapters: lora)
+    lora = infra.lora_settings(args, resume)  # --lora-rank > 0: adapters on the frozen base; None: full fine-tuning
     # the tasks: data and scoring, gold answers checked (verifiers.py)
     q_field, a_field = args.question_field or None, args.answer_field or None
     task_args = dict(question_field=q_field, answer_field=a_field, reward=args.reward, answer_format=args.answer_format)
@@ -153,15 +154,19 @@ def main(args: Args) -> None:
     context = dict(max_position_embeddings=args.max_position_embeddings)  # 0: the model's own context
     model = infra.shard_model(
         infra.load_model(
-            model_path, device, args.gradient_checkpointing, compute_dtype=args.dtype, compile=args.compile, **context
+            model_path,
+            device,
+            args.gradient_checkpointing,
+            compute_dtype=args.dtype,
+            compile=args.compile,
+            lora=lora,
+            **context,
         )
     )
-    ref_model = (
-        infra.shard_model(infra.load_model(args.model, device, trainable=False, compute_dtype=args.dtype, **context))
-        if args.beta > 0
-        else None
-    )
+    # --beta: the frozen initial model (a LoRA run's: the policy itself with its adapters off, no second copy)
+    ref_model = infra.reference_model(model, args.model, device, args.dtype, **context) if args.beta > 0 else None
     optimizer, scheduler = infra.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
+    model_metrics = infra.lora_metrics(model)  # LoRA: perf/trainable_params, perf/trainable_frac; else none
     engine = infra.make_engine(
         args.engine,
         model,
@@ -383,6 +388,7 @@ def main(args: Args) -> None:
             "perf/peak_mem_gb": common.peak_memory_gb(device),
         }
         rollout_metrics |= shaping_metrics  # DAPO's options: dynamic/, the overlong penalty, rows in the loss
+        rollout_metrics |= model_metrics  # LoRA's trainable parameters
         rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})

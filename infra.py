@@ -16,6 +16,7 @@ the end       save_final_model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -108,7 +109,20 @@ class Args:
     warmup_updates: int = arg(2, "linear warm-up length in optimizer updates")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     updates_per_batch: int = arg(2, "optimizer updates per rollout batch (mini-batches, shuffled by prompt group)")
-    beta: float = arg(0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model")
+    beta: float = arg(
+        0.0, "KL coefficient to the frozen initial model (k3); 0 loads no reference model (LoRA: the base, adapters off)"
+    )
+    lora_rank: int = arg(
+        0,
+        "LoRA (PEFT): train rank-R adapters on the frozen base, held in the compute dtype (bf16 on CUDA); 0: full "
+        "fine-tuning (docs/lora.md)",
+    )
+    lora_alpha: float = arg(32.0, "LoRA: the adapters' output is scaled by alpha / R (PEFT's parametrization)")
+    lora_targets: list[str] = arg(
+        ["all-linear"],
+        "LoRA: the linear layers that get adapters, by name (e.g. q_proj v_proj); all-linear: every linear layer of "
+        "the decoder, attention and MLP (not the LM head)",
+    )
     zero_variance: Literal["keep", "mask"] = arg(
         "keep",
         "a group whose rewards are all equal (advantage 0): keep its tokens in the loss's denominators, or mask "
@@ -236,6 +250,13 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("max_grad_norm", lambda v: _is_num(v) and v > 0, "must be > 0"),
     ("updates_per_batch", lambda v: v >= 1, "must be >= 1 (optimizer updates per rollout batch)"),
     ("beta", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no KL term)"),
+    ("lora_rank", lambda v: v >= 0, "must be >= 0 (0: full fine-tuning; LoRA: 1 and up, e.g. 8)"),
+    ("lora_alpha", lambda v: _is_num(v) and v > 0, "must be > 0 (the adapters' scale is alpha / rank)"),
+    (
+        "lora_targets",
+        lambda v: len(v) > 0 and ("all-linear" not in v or len(v) == 1),
+        "must be all-linear or names of linear layers (e.g. q_proj v_proj), not both",
+    ),
     ("max_sampling_rounds", lambda v: v >= 1, "must be >= 1 (generation rounds per step with --dynamic-sampling)"),
     (
         "overlong_buffer",
@@ -349,6 +370,13 @@ def _check_model_arg(args) -> str | None:
     name = args.model
     if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
         return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
+    if os.path.isdir(name) and (
+        os.path.isfile(os.path.join(name, "adapter_config.json")) or os.path.isdir(os.path.join(name, ADAPTER_DIR))
+    ):
+        return (
+            f"--model {name}: LoRA adapters without their base model; pass the run's merged model (<run>/final), or "
+            "continue the run with --resume"
+        )
     if os.path.isdir(name):
         problem = hf_folder_problem(
             checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
@@ -1109,21 +1137,28 @@ def load_model(
     compute_dtype: torch.dtype | None | str = "auto",
     max_position_embeddings: int = 0,
     compile: bool = False,
+    lora: LoRA | None = None,
 ):
     """Causal LM on `device`, its context extended to `max_position_embeddings` positions where that is > 0;
-    `compile`: its training passes compiled (compile_model).
+    `compile`: its training passes compiled (compile_model); `lora` (lora_settings): LoRA adapters on it (add_lora).
     `compute_dtype` ("auto" or "bf16": bf16 on CUDA, "fp16": fp16 on CUDA, None on CPU; or a torch dtype) is the
     autocast dtype of its forward passes (`autocast_context(model)`, used by completion_logps and HFEngine.generate).
 
     trainable: fp32 parameters on every device -- the optimizer updates fp32 master weights and keeps fp32
     state (an lr-1e-6 AdamW step on bf16 weights mostly rounds away: docs/precision.md) -- in training mode,
     so that --gradient-checkpointing takes effect; dropout stays at the model's config.
-    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad."""
+    not trainable (frozen reference): stored in the compute dtype, eval mode, no grad.
+    lora: the base frozen in the compute dtype (the reference's storage), fp32 adapters the only trainable parameters;
+    a bad target or a model PEFT cannot wrap stops here, before the weights load (check_lora)."""
     from transformers import AutoModelForCausalLM
 
-    dtype, compute_dtype = model_dtypes(device, trainable, compute_dtype)
+    if lora is not None:
+        check_lora(name, lora)
+    dtype, compute_dtype = model_dtypes(device, trainable and lora is None, compute_dtype)
     extend = {"max_position_embeddings": max_position_embeddings} if max_position_embeddings else {}
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, **extend)  # a config field as a keyword: set
+    if lora is not None:
+        add_lora(model, lora)
     model.to(device)
     model.config.use_cache = False
     model.autocast_dtype = compute_dtype  # read by autocast_context(model)
@@ -1186,6 +1221,288 @@ def model_dtypes(
         cuda_dtype = torch.float16 if compute_dtype == "fp16" else torch.bfloat16
         compute_dtype = cuda_dtype if device.type == "cuda" else None
     return (torch.float32 if trainable or compute_dtype is None else compute_dtype), compute_dtype
+
+
+# ----- LoRA (PEFT): adapters on a frozen base (docs/lora.md)
+
+
+ADAPTER_DIR = "adapter"  # step_N/adapter/ of a LoRA checkpoint, <run>/final_adapter/: a PEFT adapter folder
+ALL_LINEAR = "all-linear"  # --lora-targets' default: PEFT's name for every linear layer but the output layer
+
+
+class LoRA(NamedTuple):
+    """What lora_settings read from the flags: the adapters' rank, alpha and target layer names on the base model
+    `base` (--model), the seed of their initialisation, and the adapter folder a resumed run starts from."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    base: str
+    seed: int = 0
+    adapter_dir: str | None = None
+
+    def flags(self) -> str:
+        return (
+            f"--lora-rank {self.rank} --lora-alpha {self.alpha:g} --lora-targets {' '.join(self.targets)} --model {self.base}"
+        )
+
+
+def lora_settings(args, resume: Resume | None = None) -> LoRA | None:
+    """The run's LoRA (None: full fine-tuning, --lora-rank 0). Resuming, the checkpoint decides what it continues:
+    a LoRA checkpoint needs the flags it was trained with (and its adapters are loaded), a full one --lora-rank 0;
+    one UserError line otherwise, before any model loads."""
+    saved = resume.state.get("lora") if resume else None
+    lora = None
+    if args.lora_rank > 0:
+        lora = LoRA(args.lora_rank, float(args.lora_alpha), tuple(args.lora_targets), args.model, args.seed)
+    if resume is None:
+        return lora
+    if saved is None and lora is not None:
+        raise UserError(
+            f"--resume {args.resume}: a checkpoint of full fine-tuning, which --lora-rank {args.lora_rank} cannot "
+            f"continue; resume it with --lora-rank 0, or train adapters on its weights in a new run with --model "
+            f"{resume.model_dir}"
+        )
+    if saved is not None:
+        held = LoRA(saved["rank"], float(saved["alpha"]), tuple(saved["targets"]), saved["base"], args.seed)
+        if lora is None or lora[:4] != held[:4]:
+            raise UserError(
+                f"--resume {args.resume}: its LoRA adapters were trained with {held.flags()}; resume with those flags"
+            )
+        lora = lora._replace(adapter_dir=os.path.join(resume.state["checkpoint_dir"], ADAPTER_DIR))
+    return lora
+
+
+def lora_config(lora: LoRA, base_path: str | None = None):
+    """PEFT's LoraConfig of `lora`: no dropout (the trainer's log-probs are the sampler's), no bias adapters."""
+    from peft import LoraConfig
+
+    targets = ALL_LINEAR if lora.targets == (ALL_LINEAR,) else list(lora.targets)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_path,
+    )
+
+
+def linear_layer_names(model) -> list[str]:
+    """The names (last part) of the model's linear layers, the output layer (LM head) left out: what --lora-targets
+    may name (torch Linear, and transformers' Conv1D of GPT-2-like models)."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
+    )
+
+
+def check_lora(name: str, lora: LoRA) -> None:
+    """add_lora on the model's skeleton (its config, on the meta device: no weights read, nothing allocated), so that
+    a target the model lacks or a model PEFT cannot wrap stops the run before the weights load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = _from_pretrained(AutoConfig, name)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+        add_lora(skeleton, lora, log=False)
+
+
+def add_lora(model, lora: LoRA, log: bool = True):
+    """PEFT's LoRA layers injected into `model` in place (peft.inject_adapter_in_model: the model keeps its class,
+    names and methods, so the step runs on it unchanged): A initialised from `lora.seed` (the same on every rank,
+    the global RNG untouched), B zero, the adapters fp32 whatever the base's dtype, every other parameter frozen;
+    a resumed run's adapters loaded from `lora.adapter_dir`. UserError (one line) for a target name the model lacks
+    (PEFT would skip it without a word when another name matches) or a model PEFT cannot wrap."""
+    from peft import inject_adapter_in_model
+
+    names = linear_layer_names(model)
+    unknown = [t for t in lora.targets if t != ALL_LINEAR and t not in names]
+    if unknown:
+        raise UserError(
+            f"--lora-targets {' '.join(unknown)}: {type(model).__name__} has no linear layer of that name; its linear "
+            f"layers: {' '.join(names) or '(none)'} (all-linear: every one of them)"
+        )
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed + common.LORA_SEED_OFFSET)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")  # GPT-2's Conv1D: PEFT sets it itself
+                inject_adapter_in_model(lora_config(lora), model)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise UserError(
+            f"--lora-rank {lora.rank}: PEFT cannot add LoRA adapters to {type(model).__name__} "
+            f"({(str(exc).strip().splitlines() or [''])[0][:240]}); train it without --lora-rank (full fine-tuning)"
+        ) from None
+    for param_name, param in model.named_parameters():
+        if ".lora_" in param_name:
+            param.data = param.data.float()  # fp32 masters and AdamW state for the adapters only
+            param.requires_grad_(True)
+        else:
+            param.requires_grad_(False)
+    model.rlvr_lora = lora  # what checkpoints and the final model read (save_checkpoint, save_final_model)
+    if lora.adapter_dir:
+        load_adapter(model, lora.adapter_dir)
+    if log:
+        n, total = trainable_params(model)
+        layers = len(engines.lora_layers(model))
+        common.CONSOLE.info(
+            f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {layers} linear layers ({' '.join(lora.targets)}): "
+            f"{n / 1e6:.3g}M trainable parameters, {100 * n / total:.2g}% of {total / 1e6:.4g}M; the base frozen in "
+            f"{str(next(p for p in model.parameters() if not p.requires_grad).dtype).replace('torch.', '')}"
+        )
+    return model
+
+
+def trainable_params(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters): FSDP2-sharded ones counted whole."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_metrics(model) -> dict:
+    """perf/trainable_params and perf/trainable_frac (their share of all parameters) of a LoRA run; {} without LoRA
+    (full fine-tuning logs what it logged before LoRA existed)."""
+    if getattr(model, "rlvr_lora", None) is None:
+        return {}
+    n, total = trainable_params(model)
+    return {"perf/trainable_params": n, "perf/trainable_frac": n / total}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """`model` as its frozen base inside the block: every LoRA layer's adapters off (PEFT's enable_adapters), back on
+    after it."""
+    layers = list(engines.lora_layers(model).values())
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class AdaptersOff:
+    """The --beta reference of a LoRA run: the policy itself with its adapters off, i.e. its frozen base, with no
+    second copy of the weights. common.no_grad_logps takes it as a model: completion_logps calls its
+    rlvr_completion_logps (under torchrun the policy's registered FSDP forward runs inside)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    @property
+    def training(self) -> bool:
+        return self.policy.training
+
+    def eval(self):
+        self.policy.eval()
+        return self
+
+    def train(self, mode: bool = True):
+        self.policy.train(mode)
+        return self
+
+    def rlvr_completion_logps(self, batch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True):
+        with adapters_disabled(self.policy):
+            return common.completion_logps(self.policy, batch, temperature, chunk_tokens, with_entropy)
+
+
+def reference_model(
+    policy,
+    name: str,
+    device: torch.device,
+    compute_dtype: torch.dtype | None | str = "auto",
+    max_position_embeddings: int = 0,
+):
+    """The frozen reference of --beta: the initial model `name`, loaded frozen in the compute dtype (FSDP2-sharded
+    under torchrun); a LoRA policy's own base instead (AdaptersOff: no second copy)."""
+    if getattr(policy, "rlvr_lora", None) is not None:
+        return AdaptersOff(policy)
+    frozen = load_model(
+        name, device, trainable=False, compute_dtype=compute_dtype, max_position_embeddings=max_position_embeddings
+    )
+    return shard_model(frozen)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """The adapters' weights, whole, on the CPU, under PEFT's file names (base_model.model.<layer>.lora_A.weight).
+    Several processes: gathered on every rank (a collective: every rank calls this)."""
+    if common.world().enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        )
+    else:
+        state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        PEFT_PREFIX + engines.hf_param_name(n).replace(f".{engines.LORA_ADAPTER}.", "."): t
+        for n, t in state.items()
+        if ".lora_" in n
+    }
+
+
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of every name in an adapter file
+
+
+def save_adapter(model, path: str, base_path: str) -> None:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors): PeftModel.from_pretrained(base, path)
+    loads it onto `base_path`, and so does a resumed run (load_adapter). Several processes: gathered (every rank calls
+    this), rank 0 writes."""
+    from safetensors.torch import save_file
+
+    state = adapter_state(model)
+    if not common.world().is_main:
+        return
+    os.makedirs(path, exist_ok=True)
+    lora_config(model.rlvr_lora, base_path).save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "adapter_model.safetensors"))
+
+
+def load_adapter(model, path: str) -> None:
+    """The adapters of a PEFT adapter folder into `model`'s LoRA layers (before FSDP2 shards it); every adapter of the
+    model must be in the file and nothing else."""
+    from safetensors.torch import load_file
+
+    own = {n for n in model.state_dict() if ".lora_" in n}
+    state = {}
+    for key, value in load_file(os.path.join(path, "adapter_model.safetensors")).items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for part in (".lora_A.", ".lora_B."):
+            name = name.replace(part, f"{part}{engines.LORA_ADAPTER}.")
+        state[name] = value
+    if set(state) != own:
+        raise UserError(
+            f"{path}: its adapters do not fit this model's LoRA layers ({len(set(state) - own)} unknown, "
+            f"{len(own - set(state))} missing); resume with the flags the run was trained with"
+        )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in state:
+                param.copy_(state[name])
+
+
+def adapter_folder_problem(folder: str) -> str | None:
+    """What makes `folder` not a complete adapter folder (None: complete), without loading it."""
+    config = os.path.join(folder, "adapter_config.json")
+    try:
+        with open(config, "rb") as f:
+            json.loads(f.read())
+    except (OSError, ValueError) as exc:
+        return f"adapter_config.json in {folder} is missing, unreadable or cut off ({type(exc).__name__})"
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        return f"adapter_model.safetensors is missing from {folder}"
+    problem = _safetensors_problem(weights)
+    return f"{problem} in {folder}" if problem else None
 
 
 def make_optimizer(model, lr: float, weight_decay: float, warmup_updates: int):
@@ -1647,8 +1964,9 @@ def find_resume(resume: str, total_steps: int | None = None) -> Resume:
 def read_checkpoint(ckpt: str) -> tuple[str, dict]:
     """(HF model folder, trainer state) of a checkpoint folder, both checked before any model is loaded;
     raises ValueError with the reason when something is missing or cut off."""
+    lora = os.path.isdir(os.path.join(ckpt, ADAPTER_DIR))  # a LoRA run's checkpoint holds its adapters, no model
     model_dir = checkpoint_model_dir(ckpt)
-    problem = hf_folder_problem(model_dir)
+    problem = adapter_folder_problem(os.path.join(ckpt, ADAPTER_DIR)) if lora else hf_folder_problem(model_dir)
     if problem:
         raise ValueError(problem)
     path = os.path.join(ckpt, "trainer_state.pt")
@@ -1660,9 +1978,11 @@ def read_checkpoint(ckpt: str) -> tuple[str, dict]:
         raise ValueError(
             f"trainer_state.pt is unreadable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
         ) from None
-    missing = [k for k in TRAINER_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in (*TRAINER_STATE_KEYS, *(["lora"] if lora else [])) if not isinstance(state, dict) or k not in state]
     if missing:
         raise ValueError(f"trainer_state.pt lacks {missing[0]!r}")
+    if lora:
+        model_dir = state["lora"]["base"]  # the model the adapters were trained on (lora_settings checks --model)
     if not os.path.isfile(os.path.join(ckpt, OPTIMIZER_DIR, ".metadata")):
         raise ValueError(
             f"no {OPTIMIZER_DIR}/.metadata (the optimizer state; a checkpoint of an older version of "
@@ -1796,7 +2116,12 @@ def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, schedu
         + (f"{run_dir} (its newest checkpoint is intact)" if checkpoint_dirs(run_dir) else run_dir),
     )
     w.barrier()
-    save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))  # several processes: rank 0 writes it
+    lora = getattr(model, "rlvr_lora", None)
+    if lora is None:
+        save_hf_folder(model, tokenizer, os.path.join(tmp, "model"))  # several processes: rank 0 writes it
+    else:  # the adapters only: the frozen base is --model
+        save_adapter(model, os.path.join(tmp, ADAPTER_DIR), resolve_model_path(lora.base))
+        extra = {**extra, "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "base": lora.base}}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1837,13 +2162,24 @@ def _retire_checkpoints(run_dir: str, step: int, keep_last: int) -> None:
 
 def model_bytes(model) -> int:
     """Bytes of the model's weights as save_hf_folder writes them: every parameter once (a tied head once), in its
-    dtype (fp32 master weights: 4 bytes each)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    dtype (fp32 master weights: 4 bytes each); a LoRA model's merged weights (its base's dtype), without adapters."""
+    return sum(p.numel() * p.element_size() for _, p, _ in engines.plain_parameters(model))
+
+
+def trainable_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def checkpoint_bytes(model) -> int:
-    """Bytes of one checkpoint: the weights plus AdamW's two moments of every trainable parameter (in its dtype)."""
-    return model_bytes(model) + sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """Bytes of one checkpoint: the weights (LoRA: the adapters only) plus AdamW's two moments of every trainable
+    parameter (in its dtype)."""
+    weights = trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else model_bytes(model)
+    return weights + 2 * trainable_bytes(model)
+
+
+def final_bytes(model) -> int:
+    """Bytes of <run>/final (and, LoRA, <run>/final_adapter)."""
+    return model_bytes(model) + (trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else 0)
 
 
 def _gb(n: float) -> str:
@@ -1868,17 +2204,20 @@ def ensure_disk(folder: str, need: int, what: str, hint: str) -> None:
 def plan_checkpoints(run_dir: str, model, save_every: int, keep_last: int, total_steps: int) -> None:
     """When a run starts: one line with a checkpoint's size, how many the disk holds at most, and what is free; a
     UserError when the free disk cannot hold the final model (and one checkpoint, with --save-every)."""
-    ckpt, weights, free = checkpoint_bytes(model), model_bytes(model), free_disk_bytes(run_dir)
+    ckpt, weights, free = checkpoint_bytes(model), final_bytes(model), free_disk_bytes(run_dir)
+    lora = getattr(model, "rlvr_lora", None) is not None
     saves = math.ceil(total_steps / save_every) if save_every else 0  # the last step is always saved
     at_once = saves if keep_last == 0 else 2 if keep_last == 1 else keep_last  # keep_last 1: the new one, then the old goes
     held = min(saves, at_once)
     peak = held * ckpt + weights  # the final model is written after the last checkpoint
-    line = f"the final model: {_gb(weights)}"
+    line = f"the final model: {_gb(weights)}" + (" (merged, and its adapters)" if lora else "")
     if saves:
         kept = f"the newest {keep_last} kept" if keep_last else "all kept (--keep-last 0)"
+        held_weights = ckpt - 2 * trainable_bytes(model)
         line = (
-            f"checkpoints: {_gb(ckpt)} each ({_gb(weights)} of weights, {_gb(ckpt - weights)} of AdamW state), "
-            f"{saves} in this run, {kept}: up to {_gb(peak)} on disk with the final model"
+            f"checkpoints: {_gb(ckpt)} each ({_gb(held_weights)} of {'adapters' if lora else 'weights'}, "
+            f"{_gb(ckpt - held_weights)} of AdamW state), {saves} in this run, {kept}: up to {_gb(peak)} on disk with "
+            "the final model"
         )
     if weights + (ckpt if saves else 0) > free:
         raise UserError(
@@ -1922,7 +2261,14 @@ def save_hf_folder(model, tokenizer, path: str) -> None:
     Several processes (FSDP2): the full state dict is assembled on rank 0 (a collective: every rank calls
     this), which writes the folder once."""
     full_state = None
-    if common.world().enabled:
+    if getattr(model, "rlvr_lora", None) is not None:  # the merged weights under the base's names: a plain model
+        full_state = {
+            name: (engines.merged_lora_weight(lora) if lora is not None else _full(param.detach())).cpu()
+            for name, param, lora in engines.plain_parameters(model)
+        }  # several processes: gathered on every rank, layer by layer
+        if not common.world().is_main:
+            return
+    elif common.world().enabled:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1941,21 +2287,33 @@ def save_hf_folder(model, tokenizer, path: str) -> None:
 
 
 def save_final_model(run_dir: str, model, tokenizer) -> str:
-    """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path. A model the free disk
-    cannot hold stops the run before it is written (RunError on every rank)."""
+    """`<run>/final/`: the trained model as an HF folder, written atomically; returns its path. A LoRA run's is the
+    merged model, its adapters in `<run>/final_adapter/` beside it (a PEFT adapter folder on --model). A model the
+    free disk cannot hold stops the run before it is written (RunError on every rank)."""
     w = common.world()
-    final = os.path.join(run_dir, "final")
+    lora = getattr(model, "rlvr_lora", None)
+    folders = {"final": os.path.join(run_dir, "final")}
+    if lora is not None:
+        folders["final_adapter"] = os.path.join(run_dir, f"final_{ADAPTER_DIR}")
     if w.is_main:
         _remove_stale_tmp(run_dir)
     ckpts = checkpoint_dirs(run_dir)
     hint = f"the checkpoint {ckpts[0]} holds the trained model" if ckpts else "no checkpoint holds the trained model"
-    ensure_disk(run_dir, model_bytes(model), "the final model", f"{hint}; free space")
-    tmp = os.path.join(run_dir, f".tmp_final_{w.broadcast_object(os.getpid())}")  # rank 0's pid names it
-    save_hf_folder(model, tokenizer, tmp)
+    ensure_disk(run_dir, final_bytes(model), "the final model", f"{hint}; free space")
+    pid = w.broadcast_object(os.getpid())  # rank 0's pid names the temporary folders
+    tmps = {name: os.path.join(run_dir, f".tmp_{name}_{pid}") for name in folders}
+    save_hf_folder(model, tokenizer, tmps["final"])
+    if lora is not None:
+        save_adapter(model, tmps["final_adapter"], resolve_model_path(lora.base))
     if w.is_main:
-        _fsync_tree(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        for name, folder in folders.items():
+            _fsync_tree(tmps[name])
+            if os.path.exists(folder):
+                shutil.rmtree(folder)
+            os.replace(tmps[name], folder)
     w.barrier()
-    return final
+    return folders["final"]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
