@@ -73,7 +73,10 @@ class Group:
 
     @property
     def label(self) -> str:
-        return self.method
+        """The method, and the LoRA rank of a LoRA run (--lora-rank > 0), so LoRA and full fine-tuning stand apart."""
+        rank = dict(self.config).get("lora_rank")
+        rank = json.loads(rank) if rank is not None else 0
+        return f"{self.method} LoRA r{rank}" if rank else self.method
 
 
 def is_eval_key(key: str) -> bool:
@@ -160,7 +163,7 @@ def table(groups: list[Group]) -> str:
     header = ["method", "seeds", "pass@1 before", "pass@1 after"]
     for k in ks:
         header += [f"{k[5:]} before", f"{k[5:]} after"]
-    header += ["wall s", "rollout s", "train s", "sync s", "other s (load, eval, scoring)"]
+    header += ["wall s", "rollout s", "train s", "sync s", "other s (load, eval, scoring)", "peak mem GiB"]
     if diff:
         header.append("settings that differ")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -184,6 +187,7 @@ def table(groups: list[Group]) -> str:
             fmt(mean_std(phases["train"]), n, 0),
             fmt(mean_std(phases["sync"]), n, 1),
             fmt(mean_std(other), n, 0),
+            fmt(mean_std([peak_memory(r) for r in g.runs]), n, 2),
         ]
         if diff:
             # a row shows the settings it has; a missing one only when another run of the same method has it
@@ -197,6 +201,12 @@ def table(groups: list[Group]) -> str:
             )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def peak_memory(run: Run) -> float | None:
+    """The run's largest perf/peak_mem_gb (GPU memory allocated, or the process's resident memory on CPU)."""
+    values = [v for row in run.rows if (v := number(row.get("perf/peak_mem_gb"))) is not None]
+    return max(values) if values else None
 
 
 def warnings_for(groups: list[Group]) -> list[str]:
@@ -362,7 +372,7 @@ def final_table(groups: list[Group], keys: list[str]) -> str:
 
 
 def find_baseline(groups: list[Group], name: str) -> Group:
-    matches = [g for g in groups if name in (g.label, g.method)]
+    matches = [g for g in groups if g.label == name] or [g for g in groups if g.method == name]
     if not matches:
         raise ValueError(f"--baseline {name!r} is none of the groups: {', '.join(sorted({g.label for g in groups}))}")
     if len(matches) > 1:

@@ -64,7 +64,10 @@ def files(tmp_path_factory):
     taken = tmp_path / "out" / "taken"
     taken.mkdir(parents=True)
     (taken / "metrics.jsonl").write_text('{"step": 0}\n')
-    return {"FILE": str(a_file), "BROKEN_MODEL": str(broken_model), "OUT": str(tmp_path / "out")}
+    adapter = tmp_path / "adapter"  # a PEFT adapter folder (final_adapter/ of a LoRA run) is not a model
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    return {"FILE": str(a_file), "BROKEN_MODEL": str(broken_model), "OUT": str(tmp_path / "out"), "ADAPTER": str(adapter)}
 
 
 # (flags, text the one error line must contain)
@@ -100,6 +103,10 @@ COMMON_CASES = [
     (["--num-generations", "two"], "invalid int value: 'two'"),
     (["--no-such-flag", "1"], "unknown argument(s): --no-such-flag 1"),
     (["--engine", "vllm"], "--engine vllm needs vLLM"),  # the main suite's venv has no vLLM (CPU or GPU build)
+    (["--lora-rank", "-1"], "--lora-rank -1: must be >= 0"),
+    (["--lora-alpha", "0"], "--lora-alpha 0.0: must be > 0"),
+    (["--lora-targets", "all-linear", "q_proj"], "--lora-targets all-linear q_proj: must be all-linear or names"),
+    (["--model", "ADAPTER"], "LoRA adapters without their base model"),
 ]
 METHOD_CASES = {
     "grpo": [

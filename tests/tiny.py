@@ -35,8 +35,10 @@ def make_tokenizer():
     return tok
 
 
-def make_tiny_model(path: str, seed: int = 0, hidden: int = 32, layers: int = 2) -> str:
-    """Save a randomly initialised 2-layer Llama with the char tokenizer to `path`; returns path."""
+def make_tiny_model(path: str, seed: int = 0, hidden: int = 32, layers: int = 2, init_range: float = 0.02) -> str:
+    """Save a randomly initialised 2-layer Llama with the char tokenizer to `path`; returns path. `init_range`: the std
+    of its initial weights (transformers' default 0.02 makes the tied embeddings so small that every logit is near 0:
+    only a change of the embeddings themselves moves the output far)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = make_tokenizer()
@@ -53,6 +55,7 @@ def make_tiny_model(path: str, seed: int = 0, hidden: int = 32, layers: int = 2)
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        initializer_range=init_range,
     )
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -99,12 +102,12 @@ TINY_RUN = {
 }
 
 
-def toy_task(folder, rows: list[dict] | None = None) -> dict:
+def toy_task(folder, rows: list[dict] | None = None, init_range: float = 0.02) -> dict:
     """The tiny model and the toy task in `folder`: by default 16 questions 'Say two <letter>' with answer '2', which
     the random model says now and then by chance. {"model": its folder, "data": the .jsonl, "dir": `folder`}."""
     folder = pathlib.Path(folder)
     rows = rows if rows is not None else [{"question": f"Say two {w}", "answer": "2"} for w in TOY_WORDS]
-    model = make_tiny_model(str(folder / "model"))
+    model = make_tiny_model(str(folder / "model"), init_range=init_range)
     return {"model": model, "data": write_jsonl(str(folder / "toy.jsonl"), rows), "dir": folder}
 
 
