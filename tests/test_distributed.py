@@ -223,6 +223,45 @@ def test_rollout_correction_two_ranks_equal_one_rank(toy, tmp_path, method, mode
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < WEIGHT_TOL
 
 
+def test_lora_two_ranks_equal_one_process_and_resume_across_world_sizes(toy, tmp_path):
+    """LoRA (rank 2 on every linear layer) with the KL term (its reference: the base with the adapters off, through
+    the FSDP2 forward): 2 gloo ranks on split-independent rollouts equal one process in every metric, the adapters
+    and the merged final model; the 2-rank step-1 checkpoint (adapters, AdamW state sharded over 2) resumed by one
+    process ends where the uninterrupted run ended."""
+    from safetensors.torch import load_file
+
+    extra = ["--lora-rank", "2", "--beta", "0.05", "--learning-rate", "1e-2"]
+    runs = {}
+    for nproc in (1, 2):
+        name = f"lora_w{nproc}"
+        proc = launch(
+            ["script", "grpo", *script_flags(toy, tmp_path, name, "grpo", extra)], nproc, tmp_path, RLVR_TEST_ENGINE="scripted"
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[nproc] = tmp_path / name
+    rows1, rows2 = read_rows(runs[1]), read_rows(runs[2])
+    assert {r["perf/trainable_params"] for r in rows1 + rows2 if "perf/trainable_params" in r} == {2176}  # 2 x 1088
+    assert_rows_close(comparable(rows1), comparable(rows2))
+    assert any(r.get("losses/policy_loss") for r in rows1)  # something was learned from
+    a1, a2 = (load_file(run / "final_adapter" / "adapter_model.safetensors") for run in (runs[1], runs[2]))
+    assert a1.keys() == a2.keys() and len(a1) == 28
+    assert max(v.abs().max().item() for k, v in a1.items() if ".lora_B." in k) > 1e-3  # the adapters moved
+    assert max((a1[k] - a2[k]).abs().max().item() for k in a1) < WEIGHT_TOL
+    w1, w2 = final_weights(runs[1]), final_weights(runs[2])
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < WEIGHT_TOL
+    resumed = tmp_path / "lora_resumed_w1"
+    shutil.copytree(runs[2], resumed)
+    assert len([n for n in os.listdir(resumed / "checkpoints" / "step_000001" / "optimizer") if n.endswith(".distcp")]) == 2
+    for gone in ("checkpoints/step_000002", "final", "final_adapter"):
+        shutil.rmtree(resumed / gone)
+    flags = script_flags(toy, tmp_path, "lora_resumed_w1", "grpo", extra)
+    proc = launch(["script", "grpo", *flags, "--resume", str(resumed)], 1, tmp_path, RLVR_TEST_ENGINE="scripted")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a3 = load_file(resumed / "final_adapter" / "adapter_model.safetensors")
+    assert max((a2[k] - a3[k]).abs().max().item() for k in a2) < WEIGHT_TOL
+    assert_rows_close(comparable(rows2), comparable(read_rows(resumed)))
+
+
 # ----- the real HF engine, checkpoints, failures ---------------------------------------------------------------
 
 

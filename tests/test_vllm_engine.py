@@ -658,6 +658,78 @@ def test_push_gathers_fsdp2_dtensors(fake, one_rank_group, monkeypatch):
         eng.push_weights(model)
 
 
+def lora_model(toy_model: str, dtype=torch.float32):
+    """The tiny Llama with rank-2 LoRA adapters on every linear layer, set to values as training would."""
+    model = infra.load_model(
+        toy_model, torch.device("cpu"), compute_dtype=dtype, lora=infra.LoRA(2, 32.0, ("all-linear",), "")
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def captured_push(fake, monkeypatch, eng, model) -> list[tuple[str, torch.Tensor]]:
+    """Push `model`; returns the (name, tensor) pairs vLLM's loader received, in order."""
+    got, real = [], fake_vllm.FakeModelRunner.reload_weights
+
+    def capture(self, weights_iterator=None, **kw):
+        def recorded():
+            for name, tensor in weights_iterator:
+                got.append((name, tensor.detach().clone()))
+                yield name, tensor
+
+        return real(self, weights_iterator=recorded(), **kw)
+
+    monkeypatch.setattr(fake_vllm.FakeModelRunner, "reload_weights", capture)
+    eng.push_weights(model)
+    monkeypatch.setattr(fake_vllm.FakeModelRunner, "reload_weights", real)
+    return got
+
+
+def test_push_of_a_lora_model_sends_the_merged_weights_under_the_base_names(fake, toy, monkeypatch):
+    """LoRA: vLLM holds the plain model, so each adapted layer goes merged (PEFT's merge of a copy, cast to the engine's
+    dtype), under the base's names, no adapter tensor; the trainer's weights are untouched (no merge and unmerge)."""
+    import copy
+
+    plain_names = [n for n, _ in infra.load_model(toy["model"], torch.device("cpu")).named_parameters(remove_duplicate=False)]
+    fake.state.expected_weight_names = set(plain_names)  # a name vLLM could not place fails the push
+    model = lora_model(toy["model"], torch.bfloat16)  # the base in bf16, as on CUDA
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_merged = copy.deepcopy(model)
+    for layer in engines.lora_layers(peft_merged).values():
+        layer.merge()
+    expected = {
+        engines.hf_param_name(n.replace(".base_layer", "")): p for n, p in peft_merged.named_parameters(remove_duplicate=False)
+    }
+    eng = make_engine(dtype="float32")
+    got = captured_push(fake, monkeypatch, eng, model)
+    assert [n for n, _ in got] == plain_names  # the tied head under its own name too
+    for name, tensor in got:
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name].float()), name
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    adapted = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(dict(got)[adapted], before[adapted.replace(".weight", ".base_layer.weight")].float())
+
+
+def test_push_of_a_sharded_lora_model_gathers_what_one_process_sends(fake, toy, one_rank_group, monkeypatch):
+    """Under FSDP2 the base weight and both adapters of a layer are gathered (full_tensor) before the merge: the push
+    equals the unsharded model's, value for value."""
+    from torch.distributed.fsdp import fully_shard
+
+    eng = make_engine(dtype="float32")
+    unsharded = captured_push(fake, monkeypatch, eng, lora_model(toy["model"]))
+    model = lora_model(toy["model"])
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sharded = captured_push(fake, monkeypatch, eng, model)
+    assert [n for n, _ in sharded] == [n for n, _ in unsharded]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sharded, unsharded))
+
+
 def test_push_plain_tensors_gather_nothing(fake, monkeypatch):
     from torch.distributed.tensor import DTensor
 

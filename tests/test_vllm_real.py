@@ -211,6 +211,30 @@ def test_push_after_perturbation(real, kind):
         engine.push_weights(model)
 
 
+def test_push_of_a_lora_policy_serves_its_merged_weights(real):
+    """LoRA: the engine gets a LoRA policy's weights merged (adapters on every linear layer, set as training would),
+    under the base's names: its log-probs are the LoRA policy's within the usual tolerance, and the base's (what a
+    push of the base weights alone would serve) are more than WRONG_MIN away."""
+    engine, pad = real["engine"], real["tokenizer"].pad_token_id
+    lora = infra.LoRA(8, 32.0, ("all-linear",), infra.EMBEDDED_MODEL)
+    policy = infra.load_model(infra.EMBEDDED_MODEL, infra.pick_device(), lora=lora)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.005)
+    try:
+        engine.push_weights(policy)
+        rollout = engine.generate(real["prompts"], 2, 12, 1.0, seed=23, progress=False)
+        mean, mx = logp_diff(policy, rollout, pad, 1.0)
+        base_mean, _ = logp_diff(real["model"], rollout, pad, 1.0)
+        print(f"LoRA r8: vs the LoRA policy mean {mean:.2e} max {mx:.2e}; vs its base mean {base_mean:.2e}")
+        assert mean < LOGP_TOL_MEAN and mx < LOGP_TOL_MAX
+        assert base_mean > WRONG_MIN
+    finally:
+        engine.push_weights(real["model"])
+
+
 def test_sleep_wake_keeps_pushed_weights(real):
     engine, model, pad = real["engine"], real["model"], real["tokenizer"].pad_token_id
     try:
@@ -371,9 +395,12 @@ E2E = [
     ("mugrpo", ["--updates-per-batch", "2"]),
     ("mugrpo", ["--updates-per-batch", "2", "--temperature", "0.7", "--behav-logp", "engine"]),
     ("grpo", ["--dynamic-sampling", "--max-sampling-rounds", "3"]),
+    ("grpo", ["--lora-rank", "8", "--learning-rate", "1e-4", "--beta", "0.05"]),  # merged weights pushed at each wake
 ]
 E2E_IDS = [
-    f"{m}{'-behav-engine' if x[-1:] == ['engine'] else '-dynamic' if '--dynamic-sampling' in x else ''}" for m, x in E2E
+    f"{m}{'-behav-engine' if x[-1:] == ['engine'] else '-dynamic' if '--dynamic-sampling' in x else ''}"
+    f"{'-lora' if '--lora-rank' in x else ''}"
+    for m, x in E2E
 ]
 
 
