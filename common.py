@@ -117,8 +117,8 @@ class Timers:
 # ----- 1. the mini-batch plan (engine.wake, the weight sync, is in engines.py)
 
 
-# every seed a run derives from --seed, in one place (infra.rank_seed and infra.eval_seed add the first and the last;
-# the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, verifiers.HOLDOUT_SHUFFLE_SEED)
+# every seed a run derives from --seed, in one place (infra.rank_seed adds the first, infra.eval_seed EVAL_SEED_OFFSET,
+# infra.add_lora LORA_SEED_OFFSET; the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, HOLDOUT_SHUFFLE_SEED)
 RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
 SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
 MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s

@@ -8,10 +8,13 @@ start         setup (checks, torchrun, threads, seeds, device) -> (common.World,
 processes     init_world -> DistributedWorld (torchrun), shard_model (FSDP2)
 models        load_tokenizer, fit_context, load_model (fp32 master weights, bf16/fp16 autocast on CUDA; the
               embedded model converted once), make_optimizer, make_engine (engines.HFEngine or engines.VLLMEngine)
+LoRA          lora_settings (--lora-rank: the adapters, or what a checkpoint holds) -> load_model(lora=) (add_lora:
+              PEFT's layers on the frozen base), reference_model (--beta: the initial model, or the base with the
+              adapters off), lora_metrics; adapter folders in checkpoints and beside final/ (save_adapter)
 logger, eval  open_run_logger -> common.RunLogger; evaluate_sets, eval_seed, write_eval, eval_console_line,
               print_summary; write_rollouts
 checkpoints   find_resume, make_run_dir, load_trainer_state, plan_checkpoints, save_checkpoint
-the end       save_final_model
+the end       save_final_model (a LoRA run's: merged, its adapters beside it)
 """
 
 from __future__ import annotations

@@ -88,9 +88,7 @@ def one_arm(a) -> dict:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     trainable, total = infra.trainable_params(model)
-    out.update(
-        params_B=round(total / 1e9, 3), trainable_M=round(trainable / 1e6, 2), build_s=round(time.perf_counter() - t0, 1)
-    )
+    out.update(params=total, trainable=trainable, build_s=round(time.perf_counter() - t0, 1))
     if device.type == "cuda":
         out["weights_gb"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
         torch.cuda.reset_peak_memory_stats()
@@ -169,7 +167,7 @@ def main() -> None:
         result["wall_s"] = round(time.time() - t0, 1)
         results.append(result)
         print(json.dumps(result), flush=True)
-    keys = ["arm", "params_B", "trainable_M", "weights_gb", "peak_gb", "step_s", "tokens_per_s", "error"]
+    keys = ["arm", "params", "trainable", "weights_gb", "peak_gb", "step_s", "tokens_per_s", "error"]
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in results:
         print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")

@@ -351,3 +351,24 @@ def test_old_string_eval_dataset_groups_with_the_new_list_form(tmp_path):
         ("new", "old"),
         ("other", "other_new"),
     }
+
+
+def test_lora_and_full_runs_side_by_side_with_peak_memory(tmp_path, capsys):
+    """LoRA runs are rows of their own, labelled with their rank (the baseline name `grpo` is the full run); the
+    main table has each row's peak memory (the largest perf/peak_mem_gb of a run, mean over seeds)."""
+    for seed, peak in ((1, 2.0), (2, 3.0)):
+        make_run(tmp_path, f"full_s{seed}", "grpo", seed, 0.2, 0.4)
+        make_run(tmp_path, f"r8_s{seed}", "grpo", seed, 0.2, 0.5, lr=1e-4, extra={"lora_rank": 8})
+        for name, value in ((f"full_s{seed}", peak), (f"r8_s{seed}", peak / 2)):
+            path = tmp_path / name / "metrics.jsonl"
+            rows = [json.loads(line) for line in path.read_text().splitlines()]
+            rows[1]["perf/peak_mem_gb"], rows[2]["perf/peak_mem_gb"] = value - 0.5, value
+            path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo"]) == 0
+    out = capsys.readouterr().out
+    header = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()[2:4]}
+    assert set(rows) == {"grpo", "grpo LoRA r8"}
+    assert rows["grpo"][header.index("peak mem GiB")] == "2.50 +- 0.71"  # seeds 2.0 and 3.0
+    assert rows["grpo LoRA r8"][header.index("peak mem GiB")] == "1.25 +- 0.35"
+    assert "| grpo LoRA r8 - grpo | eval/pass@1 | +0.1 +- 0 |" in out

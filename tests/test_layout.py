@@ -13,7 +13,7 @@ common.py holds nothing a run reaches only at its start or end, and the maps nam
     read whole (every method) with its bases; a reached script function reaches what it reads;
   * the step's objects made before the loop (engine, sampler, logger, ...) reach their classes: `v = mod.C(...)` is
     a C; `v = mod.f(...)` is what f returns on the decided path (a class constructed in a return, or the class
-    named by its return annotation), across the files.
+    named by its return annotation), across the files; `v = x if <decided> else y` is what the branch taken makes.
   Facts of a default CPU step: `world().enabled` (and a name bound to it) is False, `env_world_size()` is 1,
   `torch.cuda.is_available()` is False, `step` is 2. The open reach knows none of them (every branch followed).
 - The README's sentence on the reach states the figures this file computes.
@@ -364,6 +364,11 @@ def reach_of_script(script: str, shared: Shared | None = None) -> set[tuple[str,
     setup.stmts(main.body[: main.body.index(loop)])
     objects: dict[str, set] = {}
     for var, value in setup.assigned.items():
+        while isinstance(value, ast.IfExp) and shared.facts:  # `v = a if <decided> else b`: the branch taken
+            test = Evaluator(setup.env, shared.facts)(value.test)
+            if test is UNKNOWN:
+                break
+            value = value.body if test else value.orelse
         for call in (n for n in ast.walk(value) if isinstance(n, ast.Call)):
             key = _module_attr(call.func)
             if key in shared.defs:

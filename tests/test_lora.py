@@ -355,3 +355,23 @@ def test_resuming_with_other_lora_flags_is_one_line(lora_run, toy):
     with pytest.raises(UserError, match="a checkpoint of full fine-tuning, which --lora-rank 2 cannot continue"):
         infra.lora_settings(grpo.Args(**base_flags, lora_rank=2), full)
     assert infra.lora_settings(grpo.Args(**base_flags), full) is None
+
+
+def test_the_prepared_gpu_benchmark_runs_on_cpu(tmp_path):
+    """bench/lora_step.py (one step of a 7B-shaped model, LoRA against full fine-tuning, for a lent GPU) at a tiny
+    shape on the CPU, so the script cannot rot while no GPU is lent: each arm in its own process, its figures."""
+    import subprocess
+
+    flags = ["--config", "tiny", "--device", "cpu", "--ranks", "0", "2", "--rows", "2", "--prompt-len", "8"]
+    flags += ["--completion-len", "8", "--repeats", "1", "--out", str(tmp_path)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "lora_step.py"), *flags], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, lora2 = json.loads((tmp_path / "lora_step.json").read_text())["results"]
+    assert (full["arm"], lora2["arm"]) == ("full", "LoRA r2") and "error" not in full and "error" not in lora2
+    assert full["trainable"] == full["params"] and lora2["params"] == full["params"] + lora2["trainable"]
+    # the tiny Qwen2 shape: hidden 64, intermediate 128, 4 heads of 16 (2 KV heads), 2 layers, every linear layer
+    assert lora2["trainable"] == 2 * 2 * (64 + 64 + 2 * (64 + 32) + 64 + 64 + 2 * (64 + 128) + (128 + 64))
+    assert lora2["tokens_per_s"] > 0 and lora2["peak_gb"] > 0
