@@ -7,14 +7,15 @@
 # learning rate, 3 seeds.
 #
 # Two stages, each run under the CPU lock one after the other (about 6-7 min a run on the 2 idle cores):
-#   STAGE=sweep  the learning rates, on seed 4 (not a study seed): full at 1e-5 (the default) and 3e-5, LoRA r8 at
-#                3e-5, 1e-4 and 3e-4 (a factor-3 grid around 10x the full rate). Chosen: the rate with the highest
+#   STAGE=sweep  the learning rates, on seed 4 (not a study seed): full at 3e-6, 1e-5 (the default) and 3e-5, LoRA r8
+#                at 3e-5, 1e-4, 3e-4 and 1e-3 (a factor-3 grid around 10x the full rate, extended until the best rate
+#                of each arm had a neighbour on both sides). Chosen: the rate with the highest
 #                mean training reward over the last 4 steps (held-out accuracy is what the study reports, so it
 #                does not choose); written to docs/studies/lora_lr.md. Ranks 1 and 64 take r8's rate (with alpha
 #                fixed, PEFT's alpha / r scale keeps the best rate nearly independent of the rank: the post's finding).
 #   STAGE=study  4 arms x 3 seeds at the chosen rates (LR_FULL, LR_LORA); tables in docs/studies/lora.md.
 #
-# Usage (from anywhere): bash docs/studies/lora_study.sh            (both stages: 5 + 12 runs, about 2 hours)
+# Usage (from anywhere): bash docs/studies/lora_study.sh            (both stages: 7 + 12 runs, about 2 hours)
 #   STAGE=sweep|study  PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full r1 r8 r64"  LR_FULL=1e-5  LR_LORA=1e-4
 #   OUT=runs/study_lora  STEPS=12 (a shorter study: fewer steps, say so)
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final model
@@ -43,8 +44,8 @@ run() {  # name, flags...: one run of grpo.py under the lock, skipped when done
 }
 
 if [ "$STAGE" = sweep ] || [ "$STAGE" = all ]; then
-  for lr in 1e-5 3e-5; do run "sweep_full_lr$lr" --seed 4 --learning-rate "$lr"; done
-  for lr in 3e-5 1e-4 3e-4; do run "sweep_r8_lr$lr" --seed 4 --lora-rank 8 --learning-rate "$lr"; done
+  for lr in 3e-6 1e-5 3e-5; do run "sweep_full_lr$lr" --seed 4 --learning-rate "$lr"; done
+  for lr in 3e-5 1e-4 3e-4 1e-3; do run "sweep_r8_lr$lr" --seed 4 --lora-rank 8 --learning-rate "$lr"; done
   mkdir -p "$DOCS"
   "$PYTHON" - "$OUT" > "$DOCS/lora_lr.md" <<'PY'
 import json, os, sys
