@@ -142,6 +142,21 @@ def test_the_reference_is_the_base_with_adapters_off(toy):
     assert not any(p.requires_grad for p in plain_reference.parameters())
 
 
+def test_gradient_checkpointing_gives_the_adapters_the_same_gradients(toy):
+    """--gradient-checkpointing with LoRA: the frozen base's inputs need no grad, the recomputed layers still reach
+    every adapter (use_reentrant=False), with the gradients of the plain backward."""
+    batch = common.pad_batch([[3, 5, 7, 9], [4, 6]], [[11, 12, 1], [20, 21, 22, 1]], 0)
+    grads = []
+    for checkpointing in (False, True):
+        model = infra.load_model(toy["model"], CPU, checkpointing, lora=lora(2))
+        randomize_adapters(model)
+        logp, _ = common.completion_logps(model, batch, 1.0)
+        (logp * batch.completion_mask).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert len(grads[1]) == 28 and all(g is not None and g.abs().max() > 0 for g in grads[1].values())
+    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
+
+
 def test_a_model_peft_cannot_wrap_is_one_line():
     """A model without a linear layer (its head the embedding, tied): PEFT's own refusal, as one line that says what
     to do."""
