@@ -16,7 +16,7 @@
 #   STAGE=study  4 arms x 3 seeds at the chosen rates (LR_FULL, LR_LORA); tables in docs/studies/lora.md.
 #
 # Usage (from anywhere): bash docs/studies/lora_study.sh            (both stages: 7 + 12 runs, about 2 hours)
-#   STAGE=sweep|study  PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full r1 r8 r64"  LR_FULL=1e-5  LR_LORA=1e-4
+#   STAGE=sweep|study  PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full r1 r8 r64"  LR_FULL=1e-5  LR_LORA=3e-4
 #   OUT=runs/study_lora  STEPS=12 (a shorter study: fewer steps, say so)
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final model
 # folders of each run are deleted after it (KEEP_MODELS=1 keeps them).
@@ -27,8 +27,8 @@ STAGE=${STAGE:-all}
 OUT=${OUT:-runs/study_lora}
 LOCK=${LOCK:-/tmp/cpu.lock}
 STEPS=${STEPS:-12}
-LR_FULL=${LR_FULL:-1e-5}
-LR_LORA=${LR_LORA:-1e-4}
+LR_FULL=${LR_FULL:-1e-5}  # chosen by the sweep: the default
+LR_LORA=${LR_LORA:-3e-4}  # chosen by the sweep (docs/studies/lora_lr.md)
 DOCS=docs/studies
 PLOTS=$DOCS/plots
 
