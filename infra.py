@@ -1168,9 +1168,12 @@ def compile_model(model) -> None:
             logp, _ = common.completion_logps(model, common.pad_batch([[1, 2, 3, 4]], [[5, 6, 7, 8]], 0), 1.0, 4)
             logp.sum().backward()
     except Exception as exc:  # whatever the compiler raised (a missing Triton, a C++ toolchain, an unsupported op)
+        root = exc  # dynamo wraps the backend's error (BackendCompilerFailed.inner_exception): report the innermost
+        while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+            root = inner
         raise UserError(
-            f"--compile: torch.compile failed on this model and device ({type(exc).__name__}: "
-            f"{(str(exc).strip().splitlines() or [''])[0][:300]}); run without --compile"
+            f"--compile: torch.compile failed on this model and device ({type(root).__name__}: "
+            f"{(str(root).strip().splitlines() or [''])[0][:300]}); run without --compile"
         ) from None
     finally:
         model.zero_grad(set_to_none=True)

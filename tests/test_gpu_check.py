@@ -36,7 +36,7 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert by["resume"]["step2_reward"][0] == by["resume"]["step2_reward"][1]  # on the CPU: exactly
     assert by["gen-0.5b"]["gen_tokens_static"] == by["gen-0.5b"]["gen_tokens_generate"] > 0  # the same work
     assert by["packed-0.5b"]["packed_groups"] > 0 and by["packed-0.5b"]["padded_packed_groups"] == 0
-    assert by["step-0.5b"]["train_peak_gb_planned"] > 0
+    assert by["step-0.5b"]["train_peak_gb_planned"] is not None  # bench/memory_plan.py's estimate beside the peak
     summary = (out / "summary.md").read_text()
     assert f"{len(STEPS)} of {len(STEPS)} steps passed" in summary and "| torchrun | pass |" in summary
     assert (out / "logs.txt").stat().st_size > 0
