@@ -1884,10 +1884,12 @@ def plan_checkpoints(run_dir: str, model, save_every: int, keep_last: int, total
             f"{saves} in this run, {kept}: up to {_gb(peak)} on disk with the final model"
         )
     if weights + (ckpt if saves else 0) > free:
-        raise UserError(
+        error = UserError(
             f"{line}, but {_gb(free)} are free on {_nearest_existing(run_dir)}: free space, or write the run elsewhere "
             "with --output-dir"
         )
+        error.on_every_rank = True  # rank 0's free disk, broadcast: every rank stops with the same line
+        raise error
     common.CONSOLE.info(
         f"{line}; {_gb(free)} free"
         + ("" if peak <= free else " (not enough for all of them: a checkpoint that does not fit stops the run first)")
