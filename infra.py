@@ -1246,8 +1246,8 @@ def make_engine(
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
     low = engine_dtype == "bf16" or (engine_dtype == "auto" and on_gpu)
     hf = dict(gen_batch_size=gen_batch_size, return_logps=return_logps or low, dtype=torch.bfloat16 if low else None)
-    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())  # the static cache: full only
-    if low and on_gpu and not sliding:  # the static KV cache, its decode step a CUDA graph, on the bf16 copy
+    # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
+    if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return engines.StaticHFEngine(model, tokenizer, **hf)
     return engines.HFEngine(model, tokenizer, **hf)
 
