@@ -226,7 +226,8 @@ class StaticHFEngine(HFEngine):
         S, device = -(-(W + max_new_tokens) // 16) * 16, input_ids.device  # keys: a multiple of 16 (aligned masks)
         dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
         cache = StaticKV.allocate(model.config, R, S, dtype, device)
-        takes_cache_position = "cache_position" in inspect.signature(model.model.forward).parameters  # transformers < 5.20
+        body = getattr(model, model.base_model_prefix)
+        takes_cache_position = "cache_position" in inspect.signature(body.forward).parameters  # older transformers
         # prefill each distinct prompt once into the first P rows, then copy its keys and values to its n rows
         P = R // n
         prompt_ids, prompt_mask = input_ids[::n], attention[::n].bool()  # (P, W)

@@ -1206,9 +1206,12 @@ def compile_model(model) -> None:
             logp, _ = common.completion_logps(model, common.pad_batch([[1, 2, 3, 4]], [[5, 6, 7, 8]], 0), 1.0, 4)
             logp.sum().backward()
     except Exception as exc:  # whatever the compiler raised (a missing Triton, a C++ toolchain, an unsupported op)
+        root = exc  # dynamo wraps the backend's error (BackendCompilerFailed.inner_exception): report the innermost
+        while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+            root = inner
         raise UserError(
-            f"--compile: torch.compile failed on this model and device ({type(exc).__name__}: "
-            f"{(str(exc).strip().splitlines() or [''])[0][:300]}); run without --compile"
+            f"--compile: torch.compile failed on this model and device ({type(root).__name__}: "
+            f"{(str(root).strip().splitlines() or [''])[0][:300]}); run without --compile"
         ) from None
     finally:
         model.zero_grad(set_to_none=True)
@@ -1563,8 +1566,8 @@ def make_engine(
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
     low = engine_dtype == "bf16" or (engine_dtype == "auto" and on_gpu)
     hf = dict(gen_batch_size=gen_batch_size, return_logps=return_logps or low, dtype=torch.bfloat16 if low else None)
-    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())  # the static cache: full only
-    if low and on_gpu and not sliding:  # the static KV cache, its decode step a CUDA graph, on the bf16 copy
+    # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
+    if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return engines.StaticHFEngine(model, tokenizer, **hf)
     return engines.HFEngine(model, tokenizer, **hf)
 
@@ -2093,6 +2096,78 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def model_bytes(model) -> int:
+    """Bytes of the model's weights as save_hf_folder writes them: every parameter once (a tied head once), in its
+    dtype (fp32 master weights: 4 bytes each); a LoRA model's merged weights (its base's dtype), without adapters."""
+    return sum(p.numel() * p.element_size() for _, p, _ in engines.plain_parameters(model))
+
+
+def trainable_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def checkpoint_bytes(model) -> int:
+    """Bytes of one checkpoint: the weights (LoRA: the adapters only) plus AdamW's two moments of every trainable
+    parameter (in its dtype)."""
+    weights = trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else model_bytes(model)
+    return weights + 2 * trainable_bytes(model)
+
+
+def final_bytes(model) -> int:
+    """Bytes of <run>/final (and, LoRA, <run>/final_adapter)."""
+    return model_bytes(model) + (trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else 0)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def free_disk_bytes(path: str) -> int:
+    """Free bytes on the file system that holds `path` (or would: its nearest existing folder), rank 0's."""
+    w = common.world()
+    return w.broadcast_object(shutil.disk_usage(_nearest_existing(path)).free if w.is_main else None)
+
+
+def ensure_disk(folder: str, need: int, what: str, hint: str) -> None:
+    """RunError on every rank when `folder`'s file system has less than `need` bytes (and 5% more) free."""
+    free = free_disk_bytes(folder)
+    if need * 1.05 > free:
+        error = RunError(f"{what} needs about {_gb(need)}, {_gb(free)} are free on {folder}: {hint}")
+        error.on_every_rank = True
+        raise error
+
+
+def plan_checkpoints(run_dir: str, model, save_every: int, keep_last: int, total_steps: int) -> None:
+    """When a run starts: one line with a checkpoint's size, how many the disk holds at most, and what is free; a
+    UserError when the free disk cannot hold the final model (and one checkpoint, with --save-every)."""
+    ckpt, weights, free = checkpoint_bytes(model), final_bytes(model), free_disk_bytes(run_dir)
+    lora = getattr(model, "rlvr_lora", None) is not None
+    saves = math.ceil(total_steps / save_every) if save_every else 0  # the last step is always saved
+    at_once = saves if keep_last == 0 else 2 if keep_last == 1 else keep_last  # keep_last 1: the new one, then the old goes
+    held = min(saves, at_once)
+    peak = held * ckpt + weights  # the final model is written after the last checkpoint
+    line = f"the final model: {_gb(weights)}" + (" (merged, and its adapters)" if lora else "")
+    if saves:
+        kept = f"the newest {keep_last} kept" if keep_last else "all kept (--keep-last 0)"
+        held_weights = ckpt - 2 * trainable_bytes(model)
+        line = (
+            f"checkpoints: {_gb(ckpt)} each ({_gb(held_weights)} of {'adapters' if lora else 'weights'}, "
+            f"{_gb(ckpt - held_weights)} of AdamW state), {saves} in this run, {kept}: up to {_gb(peak)} on disk with "
+            "the final model"
+        )
+    if weights + (ckpt if saves else 0) > free:
+        error = UserError(
+            f"{line}, but {_gb(free)} are free on {_nearest_existing(run_dir)}: free space, or write the run elsewhere "
+            "with --output-dir"
+        )
+        error.on_every_rank = True  # rank 0's free disk, broadcast: every rank stops with the same line
+        raise error
+    common.CONSOLE.info(
+        f"{line}; {_gb(free)} free"
+        + ("" if peak <= free else " (not enough for all of them: a checkpoint that does not fit stops the run first)")
+    )
+
+
 def save_checkpoint(run_dir: str, step: int, model, tokenizer, optimizer, scheduler, extra: dict, keep_last: int = 0) -> str:
     """Atomic: everything goes to a temporary folder that is renamed into place; a kill at any point leaves the
     previous checkpoint intact. The optimizer state is a Distributed Checkpoint, written sharded as it is held
@@ -2161,76 +2236,6 @@ def _retire_checkpoints(run_dir: str, step: int, keep_last: int) -> None:
     older = [d for d in checkpoint_dirs(run_dir) if _step_of(os.path.basename(d)) < step]
     for old in older[keep_last - 1 :]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def model_bytes(model) -> int:
-    """Bytes of the model's weights as save_hf_folder writes them: every parameter once (a tied head once), in its
-    dtype (fp32 master weights: 4 bytes each); a LoRA model's merged weights (its base's dtype), without adapters."""
-    return sum(p.numel() * p.element_size() for _, p, _ in engines.plain_parameters(model))
-
-
-def trainable_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
-def checkpoint_bytes(model) -> int:
-    """Bytes of one checkpoint: the weights (LoRA: the adapters only) plus AdamW's two moments of every trainable
-    parameter (in its dtype)."""
-    weights = trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else model_bytes(model)
-    return weights + 2 * trainable_bytes(model)
-
-
-def final_bytes(model) -> int:
-    """Bytes of <run>/final (and, LoRA, <run>/final_adapter)."""
-    return model_bytes(model) + (trainable_bytes(model) if getattr(model, "rlvr_lora", None) is not None else 0)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-
-def free_disk_bytes(path: str) -> int:
-    """Free bytes on the file system that holds `path` (or would: its nearest existing folder), rank 0's."""
-    w = common.world()
-    return w.broadcast_object(shutil.disk_usage(_nearest_existing(path)).free if w.is_main else None)
-
-
-def ensure_disk(folder: str, need: int, what: str, hint: str) -> None:
-    """RunError on every rank when `folder`'s file system has less than `need` bytes (and 5% more) free."""
-    free = free_disk_bytes(folder)
-    if need * 1.05 > free:
-        error = RunError(f"{what} needs about {_gb(need)}, {_gb(free)} are free on {folder}: {hint}")
-        error.on_every_rank = True
-        raise error
-
-
-def plan_checkpoints(run_dir: str, model, save_every: int, keep_last: int, total_steps: int) -> None:
-    """When a run starts: one line with a checkpoint's size, how many the disk holds at most, and what is free; a
-    UserError when the free disk cannot hold the final model (and one checkpoint, with --save-every)."""
-    ckpt, weights, free = checkpoint_bytes(model), final_bytes(model), free_disk_bytes(run_dir)
-    lora = getattr(model, "rlvr_lora", None) is not None
-    saves = math.ceil(total_steps / save_every) if save_every else 0  # the last step is always saved
-    at_once = saves if keep_last == 0 else 2 if keep_last == 1 else keep_last  # keep_last 1: the new one, then the old goes
-    held = min(saves, at_once)
-    peak = held * ckpt + weights  # the final model is written after the last checkpoint
-    line = f"the final model: {_gb(weights)}" + (" (merged, and its adapters)" if lora else "")
-    if saves:
-        kept = f"the newest {keep_last} kept" if keep_last else "all kept (--keep-last 0)"
-        held_weights = ckpt - 2 * trainable_bytes(model)
-        line = (
-            f"checkpoints: {_gb(ckpt)} each ({_gb(held_weights)} of {'adapters' if lora else 'weights'}, "
-            f"{_gb(ckpt - held_weights)} of AdamW state), {saves} in this run, {kept}: up to {_gb(peak)} on disk with "
-            "the final model"
-        )
-    if weights + (ckpt if saves else 0) > free:
-        raise UserError(
-            f"{line}, but {_gb(free)} are free on {_nearest_existing(run_dir)}: free space, or write the run elsewhere "
-            "with --output-dir"
-        )
-    common.CONSOLE.info(
-        f"{line}; {_gb(free)} free"
-        + ("" if peak <= free else " (not enough for all of them: a checkpoint that does not fit stops the run first)")
-    )
 
 
 def _fsync_tree(root: str) -> None:

@@ -1,36 +1,40 @@
-"""One command that runs every script end to end on a CUDA device and writes what it measured to one folder.
+"""One command that checks the project on a CUDA device in one lease, writing what it measured as it goes.
 
     python bench/gpu_check.py --export-assets        # here, once: the embedded model's tokenizer (3.4 MiB) into the
                                                      # git-ignored bench/gpu_assets/, which travels with `carry`
-    python bench/gpu_check.py                        # on the GPU machine: about 6-8 minutes on an H200
-    python bench/gpu_check.py --device cpu           # the CPU dry run (tiny shapes, about 2 minutes on 2 cores;
-                                                     # tests/test_gpu_check.py runs it)
+    python bench/gpu_check.py                        # on the GPU machine: about 4.5 minutes on an H200 (planned)
+    python bench/gpu_check.py --device cpu           # the CPU dry run (tiny shapes; tests/test_gpu_check.py runs it)
 
 On the lent device machine (no network, torch 2.11 and transformers 5.17 installed there, nothing else needed):
 
-    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_check.py", carry=["bench/gpu_assets"], timeout_s=540)
+    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_check.py", carry=["bench/gpu_assets"], timeout_s=420)
 
-What runs, each step a subprocess with its own time limit, its exit code, wall time and key figures recorded:
-  model      a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 heads, 2 KV heads) with the embedded model's
-             real tokenizer and chat template, random weights, saved as a local HF folder (--device cpu: 2 layers)
-  grpo, gapo, mugrpo, codapo
-             2 steps each on the device with the HF engine: real evaluation before and after, --save-every 1,
-             --gradient-checkpointing, the default micro-batch budget (16384 tokens on a GPU), bf16 autocast over fp32
-             master weights; the reward is bench/gpu_reward.py's (the random model never solves arith, and all-zero
-             rewards would give no gradient); every metric checked finite, perf/peak_mem_gb read
-  resume     grpo resumed from its step-1 checkpoint to step 2 (metrics of step 2 equal the uninterrupted run's)
-  eval-only  grpo --eval-only on the final/ folder the first run wrote
-  torchrun   torchrun --nproc-per-node 1 grpo.py (NCCL and FSDP2 on the device), then its checkpoint resumed in one
-             process
-  gpu_step   bench/gpu_step.py: tokens/s, peak memory and MFU of the training step at the 0.5B and 1.5B shapes
-  bf16       bench/bf16_update.py --device cuda: an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16 weights
-At the end a one-screen table (step, pass/fail, seconds, figures) is printed and written to OUT/summary.md, with
-every figure in OUT/results.json and each step's output in OUT/logs.txt (OUT: $OUT, else runs/gpu_check).
+Correctness, at a small shape (a Qwen2 of hidden 128, 4 layers, the embedded tokenizer: a checkpoint is about 80
+MB), in this process unless what is checked is a launcher:
+  grpo, gapo, mugrpo, codapo   2 steps each with the HF engine (StaticHFEngine: its static KV cache and CUDA graphs
+                               on a bf16 copy), evaluation before and after, a checkpoint every step, checkpointing,
+                               bf16 autocast over fp32 masters; every metric finite
+  resume, eval-only            grpo resumed from its step-1 checkpoint (step 2's rewards as uninterrupted), then
+                               --eval-only on its final/
+  precision                    an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16 weights (bench/bf16_update.py)
+  torchrun, torchrun-resume    subprocesses: torchrun --nproc-per-node 1 (NCCL, FSDP2), then resumed in one process
+Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gpu_step.py's functions):
+  gen-0.5b        StaticHFEngine, HFEngine and transformers' generate, bf16 weights, 16 prompts x 8 x 256 tokens
+  step-0.5b       the training step without checkpointing: tokens/s, MFU, peak memory against bench/memory_plan.py
+  packed-0.5b     rows in groups of 8 sharing a 128-token prompt: packed (the cost rule) against padded
+  step-1.5b       without checkpointing, then step-1.5b-ckpt with it
+  compile-1.5b    --compile (infra.compile_model), last: its compile time is the least certain part
+Before each step the free disk is checked (too little: the step is skipped, one line says why); after it its run
+folders are deleted and OUT/summary.md and OUT/results.json rewritten, so a check cut short still reports every
+step it finished. OUT: $OUT, else runs/gpu_check. Steps past --budget-s are skipped, not started.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import io
 import json
 import math
 import os
@@ -39,24 +43,30 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "bench", "gpu_assets")
 METHODS = ("grpo", "gapo", "mugrpo", "codapo")
 
-# Qwen2.5-0.5B's published shapes; the vocabulary is the tokenizer's (the embedded SmolLM2's 49152)
-QWEN_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
+# the correctness runs' model: Qwen2 layers at a size whose checkpoints are megabytes (the vocabulary is the
+# tokenizer's, the embedded SmolLM2's 49152)
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=32768,
+    max_position_embeddings=4096,
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-TINY = dict(QWEN_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY = dict(SMALL, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+SPEED_KEYS = (
+    "config", "gen_tokens_per_s_static", "gen_tokens_per_s_hf", "gen_tokens_per_s_generate", "train_tokens_per_s",
+    "padded_train_tokens_per_s", "packed_groups", "achieved_tflops", "mfu", "train_peak_gb", "train_peak_gb_planned",
+)  # fmt: skip
 
 
 def export_assets(folder: str) -> None:
@@ -89,12 +99,7 @@ def build_model(folder: str, tokenizer_dir: str, shapes: dict, device: str) -> d
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return {
-        "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-        "layers": config.num_hidden_layers,
-        "hidden": config.hidden_size,
-        "vocab": config.vocab_size,
-    }
+    return {"params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1), "layers": config.num_hidden_layers}
 
 
 def rows_of(run_dir: str) -> list[dict]:
@@ -118,55 +123,122 @@ def run_figures(run_dir: str) -> dict:
         "peak_mem_gb": max((r.get("perf/peak_mem_gb", 0.0) for r in rows), default=None),
         "train_s": round(sum(r.get("perf/train_s", 0.0) for r in train), 1),
         "rollout_s": round(sum(r.get("perf/rollout_s", 0.0) for r in train), 1),
+        "tokens_per_s": round(max((r.get("perf/tokens_per_s", 0.0) for r in train), default=0.0), 1),
         "pass@1": [r["eval/pass@1"] for r in evals],
         "final": os.path.isfile(os.path.join(run_dir, "final", "config.json")),
-        "checkpoints": sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
-        if os.path.isdir(os.path.join(run_dir, "checkpoints"))
-        else [],
     }
 
 
 class Check:
-    """Runs the steps, keeps their logs and results, prints the summary."""
+    """Runs the steps, keeps their logs and results; summary.md and results.json are rewritten after every step."""
 
-    def __init__(self, out: str, work: str, env: dict):
-        self.out, self.work, self.env = out, work, env
+    def __init__(self, out: str, work: str, env: dict, header: str, budget_s: float):
+        self.out, self.work, self.env, self.header, self.budget_s = out, work, env, header, budget_s
         self.results: list[dict] = []
         self.log = open(os.path.join(out, "logs.txt"), "w")
+        self.t0 = time.time()
 
-    def step(self, name: str, cmd: list[str], timeout: float, figures=None) -> dict:
-        t0 = time.time()
+    def _record(self, result: dict, text: str) -> dict:
+        self.log.write(f"===== {result['step']} ({result['s']} s)\n{text}\n")
+        self.log.flush()
+        self.results.append(result)
+        ok = "ok" if result["ok"] else "SKIPPED" if result.get("skipped") else "FAILED"
+        print(f"   {ok} in {result['s']} s{'' if result['ok'] else ': ' + str(result.get('error', ''))[-300:]}", flush=True)
+        self.write()
+        return result
+
+    def _skip(self, name: str, need_gb: float) -> dict | None:
+        if time.time() - self.t0 > self.budget_s:
+            return {"step": name, "s": 0, "ok": False, "skipped": True, "error": f"past --budget-s {self.budget_s:g}"}
+        free = shutil.disk_usage(self.work).free / 1e9
+        if free < need_gb:
+            return {"step": name, "s": 0, "ok": False, "skipped": True, "error": f"{free:.1f} GB free, {need_gb} GB needed"}
+        return None
+
+    def step(self, name: str, fn, need_gb: float = 1.0, cleanup=()) -> dict:
+        """fn() in this process -> a dict of figures; its output captured into the log."""
+        print(f"== {name}", flush=True)
+        skipped = self._skip(name, need_gb)
+        if skipped:
+            return self._record(skipped, "")
+        t0, buf = time.time(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                figures = fn() or {}
+            result = {"step": name, "ok": figures.get("finite", True) is not False, **figures}
+        except BaseException as exc:  # noqa: BLE001 - a step's failure (SystemExit too) fails the step, not the check
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            result = {"step": name, "ok": False, "error": f"{type(exc).__name__}: {str(exc).strip()[-400:]}"}
+        result["s"] = round(time.time() - t0, 1)
+        for folder in cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
+        _free_memory()
+        return self._record(result, buf.getvalue())
+
+    def subprocess(self, name: str, cmd: list[str], timeout: float, figures=None, need_gb: float = 1.0) -> dict:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
+        skipped = self._skip(name, need_gb)
+        if skipped:
+            return self._record(skipped, "")
+        t0 = time.time()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             rc, output = "timeout", (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
-        result = {"step": name, "rc": rc, "s": round(time.time() - t0, 1)}
+        result = {"step": name, "rc": rc}
         if rc == 0 and figures is not None:
             try:
                 result.update(figures())
             except Exception as exc:  # noqa: BLE001 - a figure that cannot be read fails the step, not the check
-                result["figures_error"] = f"{type(exc).__name__}: {exc}"
-        result["ok"] = rc == 0 and result.get("finite", True) is not False and "figures_error" not in result
-        self.log.write(f"===== {name} (rc {rc}, {result['s']} s)\n$ {' '.join(cmd)}\n{output}\n")
-        self.log.flush()
-        print(
-            f"   {'ok' if result['ok'] else 'FAILED'} in {result['s']} s"
-            + ("" if result["ok"] else f": {output.strip().splitlines()[-1] if output.strip() else rc}"),
-            flush=True,
-        )
-        self.results.append(result)
-        return result
+                result["error"] = f"figures: {type(exc).__name__}: {exc}"
+        elif rc != 0:
+            result["error"] = output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"
+        result["ok"] = rc == 0 and result.get("finite", True) is not False and "error" not in result
+        result["s"] = round(time.time() - t0, 1)
+        return self._record(result, f"$ {' '.join(cmd)}\n{output}")
 
-    def summary(self, header: str) -> str:
-        lines = [header, "", "| step | result | s | figures |", "|---|---|---|---|"]
+    def summary(self) -> str:
+        lines = [self.header, "", "| step | result | s | figures |", "|---|---|---|---|"]
         for r in self.results:
-            figs = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("step", "rc", "s", "ok") and v not in (None, []))
-            lines.append(f"| {r['step']} | {'pass' if r['ok'] else 'FAIL (rc ' + str(r['rc']) + ')'} | {r['s']} | {figs} |")
+            hidden = ("step", "rc", "s", "ok", "skipped", "error")
+            shown = [k for k in r if k not in hidden and r[k] not in (None, [])]
+            if "config" in r:  # a speed step: its headline figures (results.json has them all)
+                shown = [k for k in shown if k in SPEED_KEYS or k.startswith("gen_speedup")]
+            figs = ", ".join(f"{k} {r[k]}" for k in shown)
+            state = "pass" if r["ok"] else f"skipped ({r['error']})" if r.get("skipped") else f"FAIL ({r.get('error', '')})"
+            lines.append(f"| {r['step']} | {state} | {r['s']} | {figs} |")
         passed = sum(r["ok"] for r in self.results)
-        lines += ["", f"{passed} of {len(self.results)} steps passed"]
+        lines += ["", f"{passed} of {len(self.results)} steps passed in {time.time() - self.t0:.0f} s"]
         return "\n".join(lines)
+
+    def write(self) -> None:
+        with open(os.path.join(self.out, "results.json"), "w") as f:
+            json.dump(
+                {"header": self.header, "elapsed_s": round(time.time() - self.t0, 1), "results": self.results}, f, indent=1
+            )
+        with open(os.path.join(self.out, "summary.md"), "w") as f:
+            f.write(self.summary() + "\n")
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_script(method: str, argv: list[str]) -> None:
+    """`python <method>.py argv` in this process (imports and the CUDA context are paid once for all)."""
+    import importlib
+
+    import infra
+
+    mod = importlib.import_module(method)
+    mod.main(infra.parse_args(mod.Args, argv))
 
 
 def main() -> int:
@@ -180,18 +252,20 @@ def main() -> int:
     )
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_check"))
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--budget-s", type=float, default=330.0, help="steps that would start after this are skipped")
     a = p.parse_args()
     if a.export_assets:
         export_assets(ASSETS)
         return 0
     cpu = a.device == "cpu"
     os.makedirs(a.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="gpu_check_")  # runs and the model: large, not sent back
+    work = tempfile.mkdtemp(prefix="gpu_check_")  # runs and the model: not sent back, deleted as the check goes
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run never touches a GPU, even on a machine that has one
-    check = Check(a.out, work, env)
-    py = a.python
+        os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run never touches a GPU
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     tokenizer_dir = os.path.join(ASSETS, "tokenizer")
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         if cpu:  # the dry run makes them itself from the embedded model
@@ -205,183 +279,153 @@ def main() -> int:
             return 2
 
     import torch
+    import transformers
 
     gpu = torch.cuda.get_device_name() if not cpu and torch.cuda.is_available() else "cpu"
     if not cpu and gpu == "cpu":
         print("error: no CUDA device here; use --device cpu for the dry run", file=sys.stderr)
         return 2
-    import transformers
-
     header = (
         f"# GPU check {time.strftime('%Y-%m-%d %H:%M')}: {gpu}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, python {sys.version.split()[0]}, device {a.device}"
     )
     print(header, flush=True)
+    check = Check(a.out, work, env, header, a.budget_s)
 
     model_dir = os.path.join(work, "model")
-    t0 = time.time()
-    try:
-        info = build_model(model_dir, tokenizer_dir, TINY if cpu else QWEN_05B, "cpu" if cpu else "cuda")
-        check.results.append({"step": "model", "rc": 0, "s": round(time.time() - t0, 1), "ok": True, **info})
-    except Exception as exc:  # noqa: BLE001 - nothing else can run without the model
-        check.results.append({"step": "model", "rc": f"{type(exc).__name__}: {exc}", "s": 0, "ok": False})
-        print(check.summary(header))
-        return 1
-
+    check.step("model", lambda: build_model(model_dir, tokenizer_dir, TINY if cpu else SMALL, a.device))
     runs = os.path.join(work, "runs")
-    steps = 1 if cpu else 2
+    steps = 2
     base = [
-        "--model",
-        model_dir,
-        "--dataset",
-        "arith",
-        "--reward",
-        "bench/gpu_reward.py:parity",
-        "--engine",
-        "hf",
-        "--prompts-per-step",
-        "4" if cpu else "8",
-        "--num-generations",
-        "4" if cpu else "8",
-        "--max-new-tokens",
-        "8" if cpu else "64",
-        "--eval-limit",
-        "4" if cpu else "16",
-        "--eval-samples",
-        "2" if cpu else "4",
-        "--eval-k",
-        "2" if cpu else "4",
-        "--learning-rate",
-        "1e-5",
-        "--save-every",
-        "1",
-        "--gradient-checkpointing",
-        "--output-dir",
-        runs,
-    ]
+        "--model", model_dir, "--dataset", "arith", "--reward", "bench/gpu_reward.py:parity", "--engine", "hf",
+        "--prompts-per-step", "4" if cpu else "8", "--num-generations", "4" if cpu else "8",
+        "--max-new-tokens", "8" if cpu else "64", "--eval-limit", "4" if cpu else "16",
+        "--eval-samples", "2" if cpu else "4", "--eval-k", "2" if cpu else "4", "--learning-rate", "1e-5",
+        "--save-every", "1", "--gradient-checkpointing", "--output-dir", runs,
+    ]  # fmt: skip
     per_method = {"mugrpo": ["--prompts-per-step", "4" if cpu else "8", "--updates-per-batch", "2"]}
-    limit = 300 if cpu else 240
     for m in METHODS:
         run_dir = os.path.join(runs, m)
-        check.step(
-            m,
-            [py, f"{m}.py", *base, "--total-steps", str(steps), *per_method.get(m, []), "--run-name", m],
-            limit,
-            lambda d=run_dir: run_figures(d),
-        )
 
-    # resume: grpo from its step-1 checkpoint; the step-2 rows equal the uninterrupted run's (same seeds)
-    resumed = os.path.join(runs, "grpo_resumed")
+        def one(m=m, run_dir=run_dir):
+            run_script(m, [*base, "--total-steps", str(steps), *per_method.get(m, []), "--run-name", m])
+            return run_figures(run_dir)
 
-    def resume_figures():
-        figs = run_figures(resumed)
-        if not cpu:
-            a_rows = [r for r in rows_of(os.path.join(runs, "grpo")) if r.get("step") == 2 and "losses/policy_loss" in r]
-            b_rows = [r for r in rows_of(resumed) if r.get("step") == 2 and "losses/policy_loss" in r]
-            figs["step2_loss_diff"] = max(
-                abs(x["losses/policy_loss"] - y["losses/policy_loss"]) for x, y in zip(a_rows, b_rows)
-            )
-        return figs
+        check.step(m, one, cleanup=[run_dir] if m != "grpo" else [])  # grpo's checkpoints serve resume and eval-only
 
-    if os.path.isdir(os.path.join(runs, "grpo", "checkpoints", "step_000001")):
-        os.makedirs(os.path.join(resumed, "checkpoints"), exist_ok=True)
+    grpo_dir, resumed = os.path.join(runs, "grpo"), os.path.join(runs, "grpo_resumed")
+
+    def resume():
+        """grpo from its step-1 checkpoint to step 2: step 2's rewards equal the uninterrupted run's, up to one of its
+        64 rows (GPU kernels are not bit-reproducible: the losses are reported, not compared)."""
+        os.makedirs(os.path.join(resumed, "checkpoints"))
         shutil.copytree(
-            os.path.join(runs, "grpo", "checkpoints", "step_000001"), os.path.join(resumed, "checkpoints", "step_000001")
+            os.path.join(grpo_dir, "checkpoints", "step_000001"), os.path.join(resumed, "checkpoints", "step_000001")
         )
         for name in ("metrics.jsonl", "args.json"):
-            shutil.copy(os.path.join(runs, "grpo", name), resumed)
-        check.step(
-            "resume",
-            [py, "grpo.py", *base, "--total-steps", str(steps + 1 if cpu else steps), "--resume", resumed],
-            limit,
-            resume_figures,
+            shutil.copy(os.path.join(grpo_dir, name), resumed)
+        run_script("grpo", [*base, "--total-steps", str(steps), "--resume", resumed])
+        figs = run_figures(resumed)
+        first, again = (
+            [r for r in rows_of(d) if r.get("step") == 2 and "rollout/reward_mean" in r] for d in (grpo_dir, resumed)
         )
-    final = os.path.join(runs, "grpo", "final")
+        figs["step2_reward"] = [first[0]["rollout/reward_mean"], again[0]["rollout/reward_mean"]]
+        figs["step2_loss"] = [first[0]["losses/policy_loss"], again[0]["losses/policy_loss"]]
+        # the same rewards up to one row's flip: GPU kernels are not bit-reproducible, so a token can differ
+        rows = (4 * 4) if cpu else (8 * 8)  # --prompts-per-step x --num-generations
+        figs["finite"] = figs["finite"] and abs(figs["step2_reward"][0] - figs["step2_reward"][1]) <= 1 / rows
+        return figs
+
+    check.step("resume", resume, cleanup=[resumed])
+    eval_dir = os.path.join(runs, "eval_only")
     check.step(
         "eval-only",
-        [
-            py,
-            "grpo.py",
-            "--model",
-            final,
-            "--eval-only",
-            "--eval-limit",
-            "4" if cpu else "16",
-            "--eval-samples",
-            "2",
-            "--eval-k",
-            "2",
-            "--max-new-tokens",
-            "8" if cpu else "64",
-            "--output-dir",
-            runs,
-            "--run-name",
-            "eval_only",
-            "--dataset",
-            "arith",
-        ],
-        limit,
-        lambda: run_figures(os.path.join(runs, "eval_only")),
+        lambda: (
+            run_script(
+                "grpo",
+                [
+                    "--model",
+                    os.path.join(grpo_dir, "final"),
+                    "--eval-only",
+                    "--eval-limit",
+                    "4" if cpu else "16",
+                    "--eval-samples",
+                    "2",
+                    "--eval-k",
+                    "2",
+                    "--max-new-tokens",
+                    "8" if cpu else "64",
+                    "--output-dir",
+                    runs,
+                    "--run-name",
+                    "eval_only",
+                    "--dataset",
+                    "arith",
+                ],
+            )  # fmt: skip
+            or run_figures(eval_dir)
+        ),
+        cleanup=[grpo_dir, eval_dir],
     )
+
+    def precision():
+        """bench/bf16_update.py's table: at lr 1e-6 fp32 masters keep the update, bf16 weights lose most of it."""
+        import bf16_update
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            sys.argv = ["bf16_update.py", "--device", a.device]
+            bf16_update.main()
+        rows = [line for line in buf.getvalue().splitlines() if line.startswith("| 1e-06")]
+        return {"lr_1e-6": [r.split("|")[2:4] for r in rows]}
+
+    check.step("precision", precision)
 
     # torchrun with one process: the process group (NCCL on a GPU, gloo on CPU) and FSDP2, then resumed in one process
-    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    check.step(
+    torchrun = [a.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    tr_dir = os.path.join(runs, "torchrun")
+    check.subprocess(
         "torchrun",
         [*torchrun, "grpo.py", *base, "--total-steps", str(steps), "--run-name", "torchrun"],
-        limit,
-        lambda: run_figures(os.path.join(runs, "torchrun")),
+        240,
+        lambda: run_figures(tr_dir),
     )
-    ckpt = os.path.join(runs, "torchrun", "checkpoints", f"step_{steps:06d}")
     check.step(
         "torchrun-resume",
-        [py, "grpo.py", *base, "--total-steps", str(steps + 1), "--resume", ckpt],
-        limit,
-        lambda: run_figures(os.path.join(runs, "torchrun")),
+        lambda: run_script("grpo", [*base, "--total-steps", str(steps + 1), "--resume", tr_dir]) or run_figures(tr_dir),
+        cleanup=[runs],
     )
+    shutil.rmtree(model_dir, ignore_errors=True)
 
-    # the training step's speed and memory at the 0.5B and 1.5B shapes, and the bf16 update check
-    if cpu:
-        gpu_step = [
-            "--configs",
-            "tiny",
-            "--device",
-            "cpu",
-            "--gen-prompts",
-            "2",
-            "--gen-tokens",
-            "8",
-            "--train-rows",
-            "4",
-            "--prompt-len",
-            "8",
-            "--completion-len",
-            "8",
-            "--repeats",
-            "1",
-        ]
-    else:
-        gpu_step = ["--gen-prompts", "8", "--gen-tokens", "128", "--repeats", "2", "--gradient-checkpointing"]
-    step_out = os.path.join(work, "gpu_step")
+    # speed and memory at the published shapes (random weights), through bench/gpu_step.py's functions
+    import gpu_step
 
-    def step_figures():
-        with open(os.path.join(step_out, "gpu_step.json")) as f:
-            res = json.load(f)["results"]
-        keys = ("gen_tokens_per_s", "train_tokens_per_s", "achieved_tflops", "mfu", "train_peak_gb")
-        return {r["config"]: {k: r[k] for k in keys} for r in res}
+    device = torch.device(a.device)
+    peak = next((v for k, v in gpu_step.PEAK_TFLOPS.items() if k in gpu), None)
+    defaults = dict(
+        model="", gen_prompts=16, num_generations=8, gen_tokens=256, gen_batch_size=128, train_rows=64, prompt_len=128,
+        completion_len=512, micro_batch_tokens=16384, logp_chunk_tokens=4096, gradient_checkpointing=False, repeats=2,
+        compile=False, group_size=1, compare_packing=False, engines=[],
+    )  # fmt: skip
+    if cpu:  # the dry run: the same code on the tiny config, a few tokens
+        defaults |= dict(gen_prompts=2, num_generations=2, gen_tokens=8, gen_batch_size=4, train_rows=4, prompt_len=8,
+                         completion_len=8, micro_batch_tokens=64, logp_chunk_tokens=16, repeats=1)  # fmt: skip
+    small, big = ("tiny", "tiny") if cpu else ("qwen2.5-0.5b", "qwen2.5-1.5b")
 
-    check.step("gpu_step", [py, "bench/gpu_step.py", *gpu_step, "--out", step_out], 300 if cpu else 200, step_figures)
-    check.step("bf16_update", [py, "bench/bf16_update.py", "--device", a.device], 120)
+    def speed(name: str, **flags):
+        args = types.SimpleNamespace(**{**defaults, **flags})
+        return lambda: gpu_step.run_config(name, args, device, peak)
 
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"header": header, "results": check.results}, f, indent=1)
-    if os.path.isfile(os.path.join(step_out, "gpu_step.json")):
-        shutil.copy(os.path.join(step_out, "gpu_step.json"), a.out)
-    text = check.summary(header)
-    with open(os.path.join(a.out, "summary.md"), "w") as f:
-        f.write(text + "\n")
+    check.step("gen-0.5b", speed(small, engines=["static", "hf", "generate"], train_rows=0), need_gb=2)
+    check.step("step-0.5b", speed(small), need_gb=2)
+    check.step("packed-0.5b", speed(small, group_size=8, compare_packing=True), need_gb=2)
+    check.step("step-1.5b", speed(big), need_gb=2)
+    check.step("step-1.5b-ckpt", speed(big, gradient_checkpointing=True), need_gb=2)
+    check.step("compile-1.5b", speed(big, compile=True), need_gb=2)
+
+    check.write()
     check.log.close()
-    print("\n" + text)
+    print("\n" + check.summary())
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["ok"] for r in check.results) else 1
 

@@ -34,7 +34,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+import memory_plan  # noqa: E402 - bench/memory_plan.py
 import torch  # noqa: E402
 
 import common  # noqa: E402
@@ -82,6 +84,21 @@ CONFIGS = {
         rms_norm_eps=1e-6,
     ),
 }
+
+SUMMARY_KEYS = (
+    "config",
+    "params_M",
+    "gen_tokens_per_s_static",
+    "gen_tokens_per_s_hf",
+    "gen_tokens_per_s_generate",
+    "gen_speedup_static_vs_generate",
+    "train_tokens_per_s",
+    "padded_train_tokens_per_s",
+    "achieved_tflops",
+    "mfu",
+    "train_peak_gb",
+    "train_peak_gb_planned",
+)
 
 # bf16 dense peak FLOP/s (vendor data sheets, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.05, "L4": 121.0, "A10G": 70.0}
@@ -139,59 +156,64 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
-    # the method scripts' precision (infra.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
-    dtype, autocast_dtype = infra.model_dtypes(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model, tokenizer = build_model(name, a.model, device, dtype, a.gradient_checkpointing)
-    model.autocast_dtype = autocast_dtype  # read by common.autocast_context in generation and log-probs
-    n_params = sum(p.numel() for p in model.parameters())
+def generation_figures(model, tokenizer, prompts, n: int, tokens: int, engines_: list[str], batch: int) -> dict:
+    """Tokens/s of each engine on the same work (every row runs to `tokens`: no EOS ends a row early): `static`
+    (StaticHFEngine: static KV cache, CUDA graphs), `hf` (HFEngine's dynamic cache), `generate` (transformers'
+    generate, ReferenceHFEngine), all from a bf16 copy of the fp32 weights on CUDA (what make_engine builds there),
+    the trainer's fp32 weights elsewhere. A warm-up call of each first (kernels, graphs, allocator); then two
+    alternating rounds, the median reported."""
+    device = next(model.parameters()).device
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    make = {"static": engines.StaticHFEngine, "hf": engines.HFEngine, "generate": references.ReferenceHFEngine}
+    restore = references.full_length_rows()  # no row ends at an EOS: the same tokens for every engine
+    try:
+        built = {e: make[e](model, tokenizer, gen_batch_size=batch, dtype=dtype) for e in engines_}
+    finally:
+        restore()
+    times = {e: [] for e in engines_}
+    out = {}
+    for engine in built.values():  # warm-up: the full shape once (graph capture, compilation, allocator)
+        engine.generate(prompts, n, tokens, 1.0, progress=False)
+    for _ in range(2):
+        for e, engine in built.items():
+            sync(device)
+            t0 = time.perf_counter()
+            rollout = engine.generate(prompts, n, tokens, 1.0, progress=False)
+            sync(device)
+            times[e].append(time.perf_counter() - t0)
+            out[f"gen_tokens_{e}"] = int(rollout.completion_lengths.sum())
+    for e in engines_:
+        out[f"gen_tokens_per_s_{e}"] = round(out[f"gen_tokens_{e}"] / statistics.median(times[e]), 1)
+    if "generate" in engines_:
+        for e in engines_:
+            if e != "generate":
+                out[f"gen_speedup_{e}_vs_generate"] = round(out[f"gen_tokens_per_s_{e}"] / out["gen_tokens_per_s_generate"], 2)
+    out["gen_peak_gb"] = round(common.peak_memory_gb(device), 2)
+    return out
+
+
+def training_figures(model, tokenizer, a, peak_tflops: float | None, packed: bool) -> dict:
+    """One training step's forward/backward and optimizer time, tokens/s, MFU and peak memory: `a.train_rows` rows
+    of prompt + completion tokens; with `a.group_size` > 1 the rows come in groups sharing one prompt (as a GRPO
+    batch does) and `packed` lets micro_batches pack them (its cost rule decides), else every row is padded."""
+    device = next(model.parameters()).device
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(1)
-    out = {
-        "config": name if not a.model else a.model,
-        "params_M": round(n_params / 1e6, 1),
-        "dtype": f"{dtype} weights, {autocast_dtype or 'no'} autocast",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-    }
-
-    # generation: gen_prompts x G rows through the HF engine
-    engine = engines.HFEngine(model, tokenizer, gen_batch_size=a.gen_batch_size)
-    prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(a.gen_prompts)]
-    engine.generate(prompts[:1], 1, 4, 1.0, progress=False)  # warm-up (kernels, allocator)
-    sync(device)
-    t0 = time.perf_counter()
-    rollout = engine.generate(prompts, a.num_generations, a.gen_tokens, 1.0, progress=False)
-    sync(device)
-    gen_s = time.perf_counter() - t0
-    gen_tokens = int(rollout.completion_lengths.sum())
-    out.update(
-        gen_rows=len(rollout),
-        gen_tokens=gen_tokens,
-        gen_s=round(gen_s, 2),
-        gen_tokens_per_s=round(gen_tokens / gen_s, 1),
-        gen_peak_gb=round(common.peak_memory_gb(device), 2),
-    )
-    del rollout
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-    # training: rows of prompt_len + completion_len tokens, every completion token real
-    rows = a.train_rows
-    prompt_ids = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(rows)]
+    gen = torch.Generator().manual_seed(2)
+    rows, G = a.train_rows, max(1, a.group_size)
+    prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(-(-rows // G))]
+    prompt_ids = [prompts[r // G] for r in range(rows)]  # G consecutive rows share a prompt
     completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
-    batch = references.rollout_from_rows(prompt_ids, completion_ids)  # every row its own prompt: nothing packs
+    batch = references.rollout_from_rows(prompt_ids, completion_ids)
     advantages = torch.randn(rows, generator=gen)
     optimizer, _ = infra.make_optimizer(model, 1e-6, 0.0, 1)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     fwd_bwd, opt_s = [], []
-    for rep in range(a.repeats + 1):  # the first pass warms up and is not counted
-        optimizer.zero_grad(set_to_none=True)
+    for rep in range(a.repeats + 1):  # the first pass warms up (and compiles, with --compile) and is not counted
         sync(device)
         t0 = time.perf_counter()
-        micro = common.micro_batches(batch, list(range(rows)), a.micro_batch_tokens, model)
+        micro = common.micro_batches(batch, list(range(rows)), a.micro_batch_tokens, model if packed else None)
         for mb in micro:
             tb = common.token_batch_of(batch, mb, tokenizer.pad_token_id)
             logp, _ = common.completion_logps(model, tb, 1.0, a.logp_chunk_tokens, with_entropy=False)
@@ -202,16 +224,19 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
         t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         sync(device)
         t2 = time.perf_counter()
         if rep:
             fwd_bwd.append(t1 - t0)
             opt_s.append(t2 - t1)
     t_fb = statistics.median(fwd_bwd)
-    flops = train_flops(model, a.prompt_len, a.completion_len, rows)
+    flops = train_flops(model, a.prompt_len, a.completion_len, rows)  # as if padded: packing saves compute
     train_tokens = rows * (a.prompt_len + a.completion_len)
-    out.update(
+    out = dict(
         train_rows=rows,
+        group_size=G,
+        packed_groups=sum(len(m.packs or []) for m in micro),
         micro_batches=len(micro),
         row_tokens=a.prompt_len + a.completion_len,
         fwd_bwd_s=round(t_fb, 3),
@@ -225,7 +250,48 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
         train_peak_gb=round(common.peak_memory_gb(device), 2),
     )
     out["mfu"] = round(flops / t_fb / (peak_tflops * 1e12), 4) if peak_tflops else None
-    del model, optimizer, engine
+    if not a.model:  # bench/memory_plan.py's estimate of the same update (docs/performance.md, "GPU memory")
+        cfg = dict(CONFIGS[a.config_name], attention_bias=True)
+        plan = memory_plan.plan(
+            cfg,
+            micro_batch_tokens=min(a.micro_batch_tokens, train_tokens),
+            logp_chunk_tokens=a.logp_chunk_tokens,
+            gradient_checkpointing=a.gradient_checkpointing,
+        )
+        out["train_peak_gb_planned"] = round(sum(plan["update"].values()) / 1e9, 2)
+    del optimizer
+    return out
+
+
+def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
+    # the method scripts' precision (infra.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
+    dtype, autocast_dtype = infra.model_dtypes(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, tokenizer = build_model(name, a.model, device, dtype, a.gradient_checkpointing)
+    model.autocast_dtype = autocast_dtype  # read by common.autocast_context in generation and log-probs
+    a.config_name = name
+    out = {
+        "config": name if not a.model else a.model,
+        "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "dtype": f"{dtype} weights, {autocast_dtype or 'no'} autocast",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "gradient_checkpointing": a.gradient_checkpointing,
+        "compile": a.compile,
+    }
+    vocab = model.config.vocab_size
+    if a.engines:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(a.gen_prompts)]
+        out |= generation_figures(model, tokenizer, prompts, a.num_generations, a.gen_tokens, a.engines, a.gen_batch_size)
+    if a.compile:
+        infra.compile_model(model)
+    if a.train_rows:
+        for packed in (False, True) if a.compare_packing else (True,):
+            figures = training_figures(model, tokenizer, a, peak_tflops, packed)
+            out |= figures if packed else {f"padded_{k}": v for k, v in figures.items()}
+    del model
     return out
 
 
@@ -238,12 +304,22 @@ def main():
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--gen-tokens", type=int, default=256)
     p.add_argument("--gen-batch-size", type=int, default=128)
+    p.add_argument(
+        "--engines",
+        nargs="*",
+        default=["static", "hf", "generate"],
+        choices=["static", "hf", "generate"],
+        help="generation engines to time on the same work (none: no generation)",
+    )
     p.add_argument("--train-rows", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=512)
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--logp-chunk-tokens", type=int, default=4096)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="infra.compile_model: what --compile does in the scripts")
+    p.add_argument("--group-size", type=int, default=1, help="training rows sharing one prompt (8: a GRPO group)")
+    p.add_argument("--compare-packing", action="store_true", help="time the step padded too (padded_* keys)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 dense peak; detected for known GPUs")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_step.json (default $OUT)")
@@ -264,21 +340,10 @@ def main():
         r = run_config(name, a, device, peak)
         results.append(r)
         print(json.dumps(r), flush=True)
-    keys = [
-        "config",
-        "params_M",
-        "gen_tokens_per_s",
-        "gen_peak_gb",
-        "fwd_bwd_s",
-        "optimizer_s",
-        "train_tokens_per_s",
-        "achieved_tflops",
-        "mfu",
-        "train_peak_gb",
-    ]
+    keys = [k for k in results[0] if k in SUMMARY_KEYS] if results else []
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in results:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
+        print("| " + " | ".join(str(r.get(k)) for k in keys) + " |")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "gpu_step.json"), "w") as f:

@@ -367,3 +367,42 @@ def test_static_engine_on_a_bf16_copy_of_a_grouped_query_model(tmp_path):
     assert all(
         torch.allclose(torch.tensor(x), torch.tensor(y), atol=2e-2) for x, y in zip(tiny.engine_logps(a), tiny.engine_logps(b))
     )
+
+
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "item"}
+
+
+def test_the_captured_decode_step_never_waits_for_the_device(tiny_path, monkeypatch):
+    """What StaticHFEngine captures as a CUDA graph (its decode step) must not read a value back to the host: a
+    capture fails at the first such op. Every op of every decode call, run eagerly here, is recorded by a dispatch
+    mode; none of those that synchronise (.item(), nonzero, a boolean mask index, ...) may appear, and the calls
+    must run (the loop reached its graphs)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    seen, calls = set(), []
+
+    class RecordedGraphs(engines._DecodeGraphs):
+        def __call__(self, b):
+            with Record() as mode:
+                out = self.decode(b)
+            seen.update(mode.ops)
+            calls.append(b)
+            return out
+
+    monkeypatch.setattr(engines, "_DecodeGraphs", RecordedGraphs)
+    engine, tok = _engine(tiny_path, static_cache=True)
+    engine.eos_ids = engine.eos_ids | set(range(20, 32))  # rows end: smaller buckets are called too
+    engine.generate([common.format_prompt(tok, q) for q in PROMPTS], 4, 12, 1.0, seed=1, progress=False)
+    assert (
+        len(calls) > 1 and len(set(calls)) > 1 and {"embedding", "index_copy_"} <= seen
+    )  # the model ran, the cache was written
+    assert not SYNCING_OPS & seen, sorted(SYNCING_OPS & seen)

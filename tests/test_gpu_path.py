@@ -1,0 +1,68 @@
+"""What issue 42 added for the GPU that runs on the CPU too: --compile (the same numbers as eager, and a compiler
+that fails stops the run before training with its cause), the resolution of --engine-dtype auto and
+--gen-batch-size 0. The static KV cache's loop is tested in tests/test_sampler.py, the GPU check's dry run in
+tests/test_gpu_check.py; what only a GPU shows is bench/gpu_check.py's (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import engines
+import grpo
+import infra
+import verifiers
+from tests import tiny
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_compile_trains_as_eager_does(toy, tmp_path):
+    """grpo.py --compile against the same run without it: the layers and the LM head's chunk compiled by inductor
+    (here its CPU backend) give the same losses, gradient norms and rewards, within float rounding."""
+    settings = dict(total_steps=1, eval_limit=1, eval_samples=1, eval_k=[1])
+    grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "eager", **settings)))
+    grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "compiled", compile=True, **settings)))
+    eager, compiled = ([r for r in _rows(tmp_path / n) if "losses/policy_loss" in r] for n in ("eager", "compiled"))
+    assert len(eager) == len(compiled) == 2
+    for a, b in zip(eager, compiled):
+        for key in ("losses/policy_loss", "losses/grad_norm", "losses/entropy", "rollout/reward_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_compiler_that_fails_stops_the_run_before_training_with_its_cause(toy, tmp_path, monkeypatch, capsys):
+    def broken(graph_module, example_inputs):
+        raise RuntimeError("no working C++ compiler on this machine")
+
+    monkeypatch.setattr(infra, "COMPILE_BACKEND", broken)
+    with pytest.raises(verifiers.UserError) as error:
+        grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "broken", compile=True)))
+    assert str(error.value) == (
+        "--compile: torch.compile failed on this model and device (RuntimeError: no working C++ compiler on this "
+        "machine); run without --compile"
+    )
+    assert not os.path.exists(tmp_path / "broken" / "metrics.jsonl")  # stopped before the run's first row
+
+
+def test_engine_dtype_auto_and_gen_batch_size_zero_on_the_cpu(toy, tmp_path):
+    """--engine-dtype auto is a bf16 copy (StaticHFEngine) only on a GPU in one process: on the CPU the HF engine
+    generates from the trainer's own model; --gen-batch-size 0 resolves to 64 here (args.json records it)."""
+    args = grpo.Args(**tiny.run_settings(toy, tmp_path, "auto"))
+    assert args.engine_dtype == "auto" and args.gen_batch_size == 0
+    _, device = infra.setup(args)
+    assert args.gen_batch_size == 64
+    model = infra.load_model(toy["model"], device)
+    tok = infra.load_tokenizer(toy["model"])
+    kw = dict(model_path=toy["model"], max_model_len=64, seed=0, gen_batch_size=64, gpu_memory_utilization=0.3)
+    engine = infra.make_engine("hf", model, tok, **kw)
+    assert type(engine) is engines.HFEngine and engine.sampler is model and not engine.return_logps
+    bf16 = infra.make_engine("hf", model, tok, engine_dtype="bf16", **kw)
+    assert type(bf16) is engines.HFEngine and next(bf16.sampler.parameters()).dtype == torch.bfloat16
+    assert infra.make_engine("hf", model, tok, engine_dtype="trainer", **kw).sampler is model
