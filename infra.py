@@ -1271,7 +1271,8 @@ def lora_settings(args, resume: Resume | None = None) -> LoRA | None:
         )
     if saved is not None:
         held = LoRA(saved["rank"], float(saved["alpha"]), tuple(saved["targets"]), saved["base"], args.seed)
-        if lora is None or lora[:4] != held[:4]:
+        where = lambda m: os.path.abspath(m) if os.path.isdir(m) else m  # noqa: E731 - a folder however it is written
+        if lora is None or lora[:3] != held[:3] or where(lora.base) != where(held.base):
             raise UserError(
                 f"--resume {args.resume}: its LoRA adapters were trained with {held.flags()}; resume with those flags"
             )

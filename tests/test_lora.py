@@ -366,6 +366,8 @@ def test_resuming_with_other_lora_flags_is_one_line(lora_run, toy):
         infra.lora_settings(grpo.Args(**{**base_flags, "model": "other-org/other-model"}, lora_rank=2), resume)
     settings = infra.lora_settings(grpo.Args(**base_flags, lora_rank=2), resume)
     assert settings.adapter_dir == os.path.join(resume.state["checkpoint_dir"], infra.ADAPTER_DIR)
+    same_folder = {**base_flags, "model": toy["model"] + "/"}  # the base's folder, written another way
+    assert infra.lora_settings(grpo.Args(**same_folder, lora_rank=2), resume).adapter_dir == settings.adapter_dir
     full = infra.Resume(str(lora_run["run"]), "runs/x/checkpoints/step_000001/model", {"step": 1})
     with pytest.raises(UserError, match="a checkpoint of full fine-tuning, which --lora-rank 2 cannot continue"):
         infra.lora_settings(grpo.Args(**base_flags, lora_rank=2), full)
