@@ -127,13 +127,13 @@ def _after_fork_in_child() -> None:
     runs must never share a cgroup; closing the inherited locks leaves them the parent's); its own slots are
     named after an instance id of its own."""
     global _sandbox_slots, _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made, _cgroup_slot_names
-    global _cgroup_pool_ready, _cgroup_watcher, _instance_id
+    global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
     for slot in _cgroup_live:
         for fd in (*slot.fds, *slot.locks):
             os.close(fd)
     _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made = [], [], [], 0
-    _cgroup_pool_ready, _cgroup_watcher = threading.Condition(threading.Lock()), False
+    _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused = threading.Condition(threading.Lock()), False, False
     _cgroup_slot_names, _instance_id = itertools.count(), secrets.token_hex(8)
 
 
@@ -451,6 +451,7 @@ _cgroup_slots_made = 0  # slots alive: at most num_cores() + 1
 _cgroup_slot_names = itertools.count()  # a slot's name is never reused: a dropped slot's folder may linger
 _cgroup_pool_ready = threading.Condition(threading.Lock())  # its own lock: _cgroup_parents holds _cgroup_lock
 _cgroup_watcher = False  # a thread watches the waiting slots
+_cgroup_refused = False  # the kernel refused a fresh slot: the slots made so far serve until the pool is closed
 _cgroup_exit_hook = False
 
 
@@ -502,7 +503,7 @@ def _borrow_cgroups(wait_s: float = 30.0) -> _Slot:
     cgroups that runs leave behind cannot pile up until the kernel refuses a new one. CgroupsUnavailable if
     this machine has none, cannot bound disk reads (unless the user opted in), or no slot can be had within
     `wait_s` (fail closed: the caller does not run)."""
-    global _cgroup_slots_made, _cgroup_exit_hook
+    global _cgroup_slots_made, _cgroup_exit_hook, _cgroup_refused
     if not _cgroup_parents():
         raise CgroupsUnavailable("no cgroup hierarchy with memory, pids and cpu that this process may use")
     if _cgroup_missing:
@@ -515,7 +516,7 @@ def _borrow_cgroups(wait_s: float = 30.0) -> _Slot:
         while True:
             if _cgroup_pool:
                 return _cgroup_pool.pop()
-            if _cgroup_slots_made < num_cores() + 1:
+            if _cgroup_slots_made < num_cores() + 1 and not _cgroup_refused:
                 if not _cgroup_exit_hook:
                     _cgroup_exit_hook = True
                     atexit.register(_close_cgroup_pool)
@@ -525,7 +526,7 @@ def _borrow_cgroups(wait_s: float = 30.0) -> _Slot:
                     if _cgroup_slots_made == 0:
                         raise CgroupsUnavailable(f"a run's cgroup could not be made ({exc})") from exc
                     log.warning("code sandbox: a cgroup slot could not be made (%s); runs wait for a free one", exc)
-                    _cgroup_slots_made = num_cores() + 1  # no more tries: the slots made so far serve
+                    _cgroup_refused = True  # no more tries: the slots made so far serve
                 else:
                     _cgroup_slots_made += 1
                     _cgroup_live.append(slot)
@@ -654,15 +655,20 @@ def _empty_cgroup(path: str, wait_s: float = 1.0) -> bool:
 
 
 def _close_cgroup_pool() -> None:
-    """Remove the pool's free cgroups (at exit, and by tests). Slots still waiting to empty stay: their lock goes
-    with this process, and a later trainer's sweep removes them once they are empty."""
-    global _cgroup_slots_made
+    """Remove the pool's free cgroups, and the waiting ones that are empty by now (at exit, and by tests). A slot
+    still holding processes stays: its lock goes with this process, and a later trainer's sweep removes it once it
+    is empty."""
+    global _cgroup_slots_made, _cgroup_refused
     with _cgroup_pool_ready:
-        slots = _cgroup_pool[:]
+        emptied = [slot for slot in _cgroup_waiting if all(_empty_cgroup(path, 0.0) for path in slot.folders)]
+        slots = _cgroup_pool[:] + emptied
         _cgroup_pool.clear()
-        _cgroup_slots_made -= len(slots)
         for slot in slots:
+            if slot in _cgroup_waiting:
+                _cgroup_waiting.remove(slot)
             _cgroup_live.remove(slot)
+        _cgroup_slots_made -= len(slots)
+        _cgroup_refused = False
     for slot in slots:
         for fd in slot.fds:
             os.close(fd)
