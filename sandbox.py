@@ -880,7 +880,7 @@ def _warn_no_cgroup(exc: Exception, refused: bool) -> None:
             ALLOW_NO_CGROUP_ENV,
         )
     else:
-        log.warning("code sandbox: %s; %s=1: runs have per-process limits only", exc, ALLOW_NO_CGROUP_ENV)
+        log.warning("code sandbox: %s; %s=1: runs go on without that limit", exc, ALLOW_NO_CGROUP_ENV)
 
 
 def _kill_run(slot: _Slot | None, run_id: str, spare: int, wait_s: float = 3.0) -> None:

@@ -137,11 +137,17 @@ def supervise(child, life_fd):
     our children reach every descendant) and reap it all; exit with `child`'s status. Never returns."""
     import select
 
-    poller = select.poll()
-    poller.register(os.pidfd_open(child), select.POLLIN)
+    poller, code = select.poll(), 137
     poller.register(life_fd, select.POLLIN)
-    poller.poll()
-    code = 137
+    try:
+        poller.register(os.pidfd_open(child), select.POLLIN)
+        poller.poll()
+    except OSError:  # no pidfd (Linux < 5.3, the fallback): look every 20 ms
+        while not poller.poll(20):
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                break
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
