@@ -119,6 +119,47 @@ def test_attack_a_trainer_that_is_pid_1_reaps_every_run(mode):
     assert out["made"] == out["slots"] == 1, f"slots were dropped and remade: {out}"
 
 
+DYING_TRAINER = """
+import sys
+import verifiers as V
+V.sandbox_mode()
+print("ready", flush=True)
+V.code_verdict("import time\\ntime.sleep(60)\\n" + {right!r}, {add!r}, timeout=100.0, mode={mode!r})
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainer_that_dies_takes_its_runs_with_it(mode):
+    """The trainer is killed (SIGKILL) while a run sleeps: its runs end too (the life pipe closes with the trainer,
+    and stage 0 kills and reaps what is below it). The old code's runs lived on until their program ended."""
+    from tests.test_verifiers import _sandbox_pids
+
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", DYING_TRAINER.format(right=RIGHT, add=ADD, mode=mode)],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=HERE),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while not _sandbox_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _sandbox_pids(), "the run never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+    deadline = time.monotonic() + 3
+    while _sandbox_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _sandbox_pids()
+    for pid in left:  # this test's own run, which must not linger into the next test
+        os.kill(pid, 9)
+    assert left == [], "a run outlived its trainer"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Another trainer's sweep
 # ---------------------------------------------------------------------------------------------
