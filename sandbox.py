@@ -434,12 +434,14 @@ class CgroupsUnavailable(RuntimeError):
 
 
 class _Slot(NamedTuple):
-    """One slot of the pool: a cgroup per hierarchy, its open cgroup.procs, and the folders' locks (held while
-    this process lives: a sweep of another trainer takes only slots whose lock it can take)."""
+    """One slot of the pool: a cgroup per hierarchy, its open cgroup.procs, the folders' locks (held while this
+    process lives: a sweep of another trainer takes only slots whose lock it can take), and its counters that can
+    be reset (path, value)."""
 
     folders: list[str]
     fds: list[int]
     locks: list[int]
+    resets: list[tuple[str, str]]
 
 
 SLOT_EMPTY_WAIT_S = 5.0
@@ -482,7 +484,8 @@ def _make_cgroup_slot() -> _Slot:
                         with open(os.path.join(path, name), "w") as f:
                             f.write(value)
                 fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
-            return _Slot(made, fds, locks)
+            resets = [(os.path.join(p, n), v) for p in made for n, v in _RESETTABLE if os.path.exists(os.path.join(p, n))]
+            return _Slot(made, fds, locks, resets)
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
@@ -583,15 +586,15 @@ def _watch_waiting_slots() -> None:
 
 
 def _reset_counters(slot: _Slot) -> None:
-    for folder in slot.folders:
-        for name, value in _RESETTABLE:
-            path = os.path.join(folder, name)
-            if os.path.exists(path):
-                try:
-                    with open(path, "w") as f:
-                        f.write(value)
-                except OSError as exc:  # hidden from every run all the same
-                    log.debug("code sandbox: %s not reset: %s", path, exc)
+    for path, value in slot.resets:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # hidden from every run all the same
+            log.debug("code sandbox: %s not reset: %s", path, exc)
 
 
 def _pidfd_in_cgroup(pid: int, name: str) -> int | None:
