@@ -129,6 +129,9 @@ def _after_fork_in_child() -> None:
     global _sandbox_slots, _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made, _cgroup_slot_names
     global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
+    for fd in _life_pipes:
+        os.close(fd)
+    _life_pipes.clear()
     for slot in _cgroup_live:
         for fd in (*slot.fds, *slot.locks):
             os.close(fd)
@@ -138,6 +141,9 @@ def _after_fork_in_child() -> None:
 
 
 _fork_hook_registered = False
+# The write ends of the runs' life pipes: a child forked while runs go on (a multiprocessing worker) closes its
+# copies, or a run would outlive its deadline until the trainer's backstop (STOP_GRACE_S)
+_life_pipes: set[int] = set()
 
 
 def sandbox_mode() -> str:
@@ -1003,6 +1009,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
             cgroup_fds = slot.fds if slot is not None else []
             status_r, status_w = os.pipe()
             life_r, life_w = os.pipe()  # the trainer holds the write end; stage 0 ends the run when it closes
+            _life_pipes.add(life_w)
             go_read, go_write = os.pipe()
             handles += [go_read, go_write]
             # what the runner (the program's process) may know; the rest is read by the judge only
@@ -1066,6 +1073,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
         error = str(exc)
     finally:
         if life_w >= 0:
+            _life_pipes.discard(life_w)
             os.close(life_w)  # stage 0 kills and reaps whatever of the run is left, then exits
         if proc is not None and not exited and not _stop(proc, slot, run_id):
             log.warning(

@@ -160,6 +160,29 @@ def test_a_trainer_that_dies_takes_its_runs_with_it(mode):
     assert left == [], "a run outlived its trainer"
 
 
+def test_a_child_forked_during_a_run_does_not_hold_it_open(monkeypatch):
+    """A child forked while a run goes on (a multiprocessing worker) gets a copy of the run's life pipe; it closes
+    it, so the run still ends through its own chain at its deadline, not through the trainer's backstop 5 s later."""
+    backstop = []
+    monkeypatch.setattr(S, "_kill_run", lambda *args, **kwargs: backstop.append(args), raising=False)
+    got = {}
+    slow = "import time\ntime.sleep(60)\n" + RIGHT
+    thread = threading.Thread(target=lambda: got.update(v=V.code_verdict(slow, ADD, timeout=1.0)))
+    thread.start()
+    time.sleep(0.5)
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)
+        os._exit(0)
+    try:
+        thread.join()
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    assert got["v"].status == "timeout", got
+    assert backstop == [], "the run outlived its deadline until the trainer's backstop"
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Another trainer's sweep
 # ---------------------------------------------------------------------------------------------
