@@ -15,6 +15,7 @@ and the judge's HOME and /proc entries out of the program's reach, and a run tha
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import errno
 import logging
@@ -54,7 +55,7 @@ def _report(verdict, prefix: str = "R="):
     """The dict a program printed on its stderr as `R=...` (its last such line)."""
     lines = [line for line in verdict.stderr_tail.splitlines() if line.startswith(prefix)]
     assert lines, verdict
-    return eval(lines[-1][len(prefix) :])  # noqa: S307 - our own program's dict of plain values
+    return ast.literal_eval(lines[-1][len(prefix) :])
 
 
 def _in_new_pid_namespace(script: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
@@ -112,7 +113,7 @@ def test_attack_a_trainer_that_is_pid_1_reaps_every_run(mode):
     _needs_cgroups()
     result = _in_new_pid_namespace(PID1_TRAINER.format(add=ADD, mode=mode))
     assert result.returncode == 0, result.stderr[-3000:]
-    out = eval([line for line in result.stdout.splitlines() if line.startswith("OUT=")][-1][4:])  # noqa: S307
+    out = ast.literal_eval([line for line in result.stdout.splitlines() if line.startswith("OUT=")][-1][4:])
     assert out["statuses"] == ["timeout"] * 3 + ["passed"], out
     assert out["zombies"] == [], f"runs left zombies to a trainer that is PID 1: {out}"
     assert "did not empty" not in result.stderr, result.stderr[-2000:]
