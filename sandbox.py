@@ -14,12 +14,15 @@ write somewhere cannot change what later runs execute.
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import importlib.util
 import itertools
 import json
 import logging
 import math
 import os
+import re
 import secrets
 import select
 import shutil
@@ -32,6 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger("verifiers.sandbox")  # under the verifiers logger: its level and handlers apply
 
@@ -65,10 +69,15 @@ SANDBOX_OPEN_FILES = 256
 SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may return to the judge
 SANDBOX_CPUS = 1.0  # the CPU quota of a whole run, in cores (cpu.cfs_quota_us on v1, cpu.max on v2)
 SANDBOX_CPU_PERIOD_US = 100_000
+SANDBOX_READ_BPS = 64 << 20  # a whole run's reads from each disk, bytes/s (blkio.throttle on v1, io.max on v2)...
+SANDBOX_READ_IOPS = 1000  # ...and requests/s: what one run takes from the disk, a run beside it keeps
+START_TIMEOUT_S = 20.0  # a run's set-up (interpreter, namespaces, judge) until "started"; `timeout` counts from there
+STOP_GRACE_S = 5.0  # after the deadline, how long a run's own chain may take to end before the trainer kills too
 ALLOW_NO_CGROUP_ENV = "VERIFIERS_ALLOW_NO_CGROUP"  # =1: run without a per-run cgroup (the weaker, opt-in mode)
 SANDBOX_UID = 65534  # the host uid (nobody) a program runs as when the trainer is root
 _SANDBOX_TMP_PREFIX = "verifiers-sbx-"  # the fallback's host folders
-_SANDBOX_CGROUP_PREFIX = "verifiers-sbx-"  # the runs' cgroups: <prefix><trainer pid>-<run id>
+_SANDBOX_CGROUP_PREFIX = "verifiers-sbx-"  # the pool's cgroups: <prefix><instance id>-pool<n>
+_JUDGE_HOME = "/run/verifiers-judge"  # the judge's HOME and TMPDIR in the namespace modes: empty, read-only
 _SANDBOX_MARKER = "VERIFIERS_SANDBOX_RUN"  # environment variable tagging every sandboxed process
 # the namespace modes, in the order they are tried: with a fresh /proc, or with no /proc at all
 # where the kernel refuses to mount one (some containers)
@@ -83,7 +92,7 @@ FALLBACK_LIMITS = (
 )
 
 
-# The harness: `python -I -S -c _HARNESS_SRC <status fd> <job fd> <secret fd> <go fd>`, trusted code (stages 0
+# The harness: `python -I -S -c _HARNESS_SRC <status fd> <job fd> <secret fd> <go fd> <life fd>`, trusted code (stages 0
 # and 1 and the judge). It reports "started" and, only after the last test passed, "passed" through a pipe
 # whose tokens the parent drew at random; the program runs in a runner process that cannot reach either.
 # Read once, here: later runs start from this copy, never from the file.
@@ -115,17 +124,26 @@ _sandbox_slots = threading.BoundedSemaphore(num_cores())  # at most one sandbox 
 
 def _after_fork_in_child() -> None:
     """A forked child starts with free slots and an empty cgroup pool (the inherited ones are the parent's: two
-    runs must never share a cgroup); its own slots are named after its pid."""
-    global _sandbox_slots, _cgroup_pool, _cgroup_slots_made, _cgroup_slot_names, _cgroup_pool_ready
+    runs must never share a cgroup; closing the inherited locks leaves them the parent's); its own slots are
+    named after an instance id of its own."""
+    global _sandbox_slots, _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made, _cgroup_slot_names
+    global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
-    for _, fds in _cgroup_pool:
-        for fd in fds:
+    for fd in _life_pipes:
+        os.close(fd)
+    _life_pipes.clear()
+    for slot in _cgroup_live:
+        for fd in (*slot.fds, *slot.locks):
             os.close(fd)
-    _cgroup_pool, _cgroup_slots_made, _cgroup_pool_ready = [], 0, threading.Condition(threading.Lock())
-    _cgroup_slot_names = itertools.count()
+    _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made = [], [], [], 0
+    _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused = threading.Condition(threading.Lock()), False, False
+    _cgroup_slot_names, _instance_id = itertools.count(), secrets.token_hex(8)
 
 
 _fork_hook_registered = False
+# The write ends of the runs' life pipes: a child forked while runs go on (a multiprocessing worker) closes its
+# copies, or a run would outlive its deadline until the trainer's backstop (STOP_GRACE_S)
+_life_pipes: set[int] = set()
 
 
 def sandbox_mode() -> str:
@@ -262,15 +280,35 @@ def _hidden_by_cover(path: str, covers, bind_back) -> bool:
     return any(_inside(path, c) for c in covers) and not any(_inside(path, b) for b in bind_back)
 
 
-# ----- per-run cgroups: memory and processes of the whole run, not per process
+# ----- per-run cgroups: memory, processes, CPU and disk reads of the whole run, not per process
 
 _cgroup_parents_cache: list[tuple[str, list[tuple[str, str, bool]]]] | None = None
+_cgroup_missing = ""  # what a run's slot cannot bound here (no io/blkio controller): refused unless opted in
 _cgroup_lock = threading.Lock()
 _cgroup_warned = False
+# A slot's name: <prefix><this process's instance id>-pool<n>. The id is drawn at random per process (a pid means
+# nothing in another pid namespace); a sweep tells a live owner by the lock it holds, never by the name.
+_SLOT_NAME = re.compile(re.escape(_SANDBOX_CGROUP_PREFIX) + r"[0-9a-f]{16}-pool[0-9]+")
+_instance_id = secrets.token_hex(8)
+# Counters a run leaves in its slot that can be reset (v1; the others, pids.events, cpu.stat and memory.stat's
+# totals, cannot be): they are zeroed before the slot serves again. No run can read any of them: /sys/fs/cgroup is
+# an empty mount in its view (build_view).
+_RESETTABLE = (
+    ("memory.failcnt", "0"),
+    ("memory.max_usage_in_bytes", "0"),
+    ("memory.memsw.failcnt", "0"),
+    ("memory.memsw.max_usage_in_bytes", "0"),
+    ("memory.kmem.failcnt", "0"),
+    ("memory.kmem.max_usage_in_bytes", "0"),
+    ("memory.kmem.tcp.failcnt", "0"),
+    ("memory.kmem.tcp.max_usage_in_bytes", "0"),
+    ("blkio.reset_stats", "1"),
+)
 
 
 def _cgroup_folders() -> dict[str, str]:
-    """This process's cgroup folder per hierarchy: "memory" and "pids" (v1), "unified" (v2)."""
+    """This process's cgroup folder per hierarchy: "memory", "pids", "cpu" and "blkio" (v1), "unified" (v2)."""
+    wanted = {"memory", "pids", "cpu", "blkio"}
     mounts = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -279,7 +317,7 @@ def _cgroup_folders() -> dict[str, str]:
             if len(fields) < 5 or len(right) < 3:
                 continue
             if right[0] == "cgroup":
-                for controller in set(right[2].split(",")) & {"memory", "pids", "cpu"}:
+                for controller in set(right[2].split(",")) & wanted:
                     mounts.setdefault(controller, (fields[3], fields[4]))
             elif right[0] == "cgroup2":
                 mounts.setdefault("unified", (fields[3], fields[4]))
@@ -287,35 +325,63 @@ def _cgroup_folders() -> dict[str, str]:
     with open("/proc/self/cgroup") as f:
         for line in f:
             number, controllers, path = line.rstrip("\n").split(":", 2)
-            for name in ["unified"] if number == "0" else set(controllers.split(",")) & {"memory", "pids", "cpu"}:
+            for name in ["unified"] if number == "0" else set(controllers.split(",")) & wanted:
                 if name in mounts and _inside(path, mounts[name][0]):
                     root, mountpoint = mounts[name]
                     folders[name] = os.path.join(mountpoint, os.path.relpath(path, root)).rstrip("/.") or "/"
     return folders
 
 
+def _block_devices() -> list[str]:
+    """ "major:minor" of every whole disk with a size (/sys/block): the devices a run's reads are bounded on."""
+    found = []
+    try:
+        names = sorted(os.listdir("/sys/block"))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            with open(f"/sys/block/{name}/size") as f:
+                size = int(f.read())
+            with open(f"/sys/block/{name}/dev") as f:
+                device = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if size > 0:
+            found.append(device)
+    return found
+
+
 def _cgroup_parents() -> list[tuple[str, list[tuple[str, str, bool]]]]:
     """Where each run gets its cgroups, detected once: [(parent folder, [(file, value, required)])].
-    cgroup v2: $VERIFIERS_CGROUP, or this process's cgroup, where memory and pids are enabled for
-    children (a delegated subtree); else cgroup v1: this process's memory and pids cgroups where
-    the trainer may make children (root, here); else none (per-process limits only). Stale runs'
-    cgroups of dead trainers are removed."""
-    global _cgroup_parents_cache
+    cgroup v2: $VERIFIERS_CGROUP, or this process's cgroup, where memory, pids and cpu (and io) are enabled for
+    children (a delegated subtree); else cgroup v1: this process's memory, pids and cpu (and blkio) cgroups where
+    the trainer may make children (root, here); else none. A run's disk reads are bounded per slot (io.max,
+    blkio.throttle) on every disk; where that controller is missing, `_cgroup_missing` says so and runs are
+    refused unless the user opted in. Slots of trainers that are gone (their lock is free) are removed."""
+    global _cgroup_parents_cache, _cgroup_missing
     with _cgroup_lock:
         if _cgroup_parents_cache is not None:
             return _cgroup_parents_cache
         parents: list[tuple[str, list[tuple[str, str, bool]]]] = []
         memory, processes = str(SANDBOX_RUN_MEMORY_BYTES), str(SANDBOX_PROCESSES)
         cpu_quota = str(int(SANDBOX_CPUS * SANDBOX_CPU_PERIOD_US))
+        missing = ""
         try:
             folders = _cgroup_folders()
+            devices = _block_devices()
             v2 = os.environ.get("VERIFIERS_CGROUP") or folders.get("unified")
             if v2 and os.access(v2, os.W_OK) and os.path.isfile(os.path.join(v2, "cgroup.subtree_control")):
                 with open(os.path.join(v2, "cgroup.subtree_control")) as f:
                     enabled = f.read().split()
                 if "memory" in enabled and "pids" in enabled and "cpu" in enabled:
                     limits = [("memory.max", memory, True), ("memory.swap.max", "0", False), ("pids.max", processes, True)]
-                    parents = [(v2, [*limits, ("cpu.max", f"{cpu_quota} {SANDBOX_CPU_PERIOD_US}", True)])]
+                    limits.append(("cpu.max", f"{cpu_quota} {SANDBOX_CPU_PERIOD_US}", True))
+                    if "io" in enabled and devices:
+                        limits += [("io.max", f"{d} rbps={SANDBOX_READ_BPS} riops={SANDBOX_READ_IOPS}", True) for d in devices]
+                    else:
+                        missing = "io controller" if devices else "block device in /sys/block"
+                    parents = [(v2, limits)]
             if not parents and all(os.access(folders.get(c, ""), os.W_OK) for c in ("memory", "pids", "cpu")):
                 parents = [
                     (
@@ -328,98 +394,151 @@ def _cgroup_parents() -> list[tuple[str, list[tuple[str, str, bool]]]]:
                         [("cpu.cfs_period_us", str(SANDBOX_CPU_PERIOD_US), True), ("cpu.cfs_quota_us", cpu_quota, True)],
                     ),
                 ]
+                throttle = os.path.join(folders.get("blkio", ""), "blkio.throttle.read_bps_device")
+                if devices and os.access(folders.get("blkio", ""), os.W_OK) and os.path.isfile(throttle):
+                    reads = [("blkio.throttle.read_bps_device", f"{d} {SANDBOX_READ_BPS}", True) for d in devices]
+                    reads += [("blkio.throttle.read_iops_device", f"{d} {SANDBOX_READ_IOPS}", True) for d in devices]
+                    parents.append((folders["blkio"], reads))
+                else:
+                    missing = "blkio controller with throttling" if devices else "block device in /sys/block"
         except (OSError, ValueError) as exc:
             log.debug("code sandbox: no cgroups (%s)", exc)
             parents = []
-        for parent, _ in parents:  # the cgroups of trainers that died; a sweep that cannot list skips it
+        for parent, _ in parents:  # slots of trainers that are gone; a sweep that cannot list skips it
             try:
                 names = os.listdir(parent)
             except OSError:
                 names = []
             for name in names:
-                owner = name[len(_SANDBOX_CGROUP_PREFIX) :].split("-")[0]
-                if name.startswith(_SANDBOX_CGROUP_PREFIX) and owner.isdigit() and not _alive(int(owner)):
-                    _remove_cgroup(os.path.join(parent, name), wait_s=0.1)
+                if _SLOT_NAME.fullmatch(name):
+                    _sweep_slot(os.path.join(parent, name))
         if not parents:
             log.info("code sandbox: no cgroup per run on this machine: memory and processes are limited per process")
-        _cgroup_parents_cache = parents
+        _cgroup_parents_cache, _cgroup_missing = parents, missing if parents else ""
         return parents
 
 
-def _alive(pid: int) -> bool:
+def _sweep_slot(path: str) -> None:
+    """Remove a slot whose owner is gone: its lock is free (the owner held it until it died). Processes are never
+    touched; a slot that still holds some is left for a later sweep."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # EWOULDBLOCK: its trainer is alive
+        os.rmdir(path)
+        log.info("code sandbox: removed %s, a slot of a trainer that is gone", path)
     except OSError:
         pass
-    return True
+    finally:
+        os.close(fd)
 
 
 class CgroupsUnavailable(RuntimeError):
-    """A run's memory, pids and CPU limits cannot be applied (no cgroups here, or the pool cannot be had)."""
+    """A run's memory, pids, CPU and disk-read limits cannot be applied (no cgroups here, or no slot can be had)."""
 
 
-_cgroup_pool: list[tuple[list[str], list[int]]] = []  # free slots: (folders, open cgroup.procs of each)
+class _Slot(NamedTuple):
+    """One slot of the pool: a cgroup per hierarchy, its open cgroup.procs, the folders' locks (held while this
+    process lives: a sweep of another trainer takes only slots whose lock it can take), and its counters that can
+    be reset (path, value)."""
+
+    folders: list[str]
+    fds: list[int]
+    locks: list[int]
+    resets: list[tuple[str, str]]
+
+
 SLOT_EMPTY_WAIT_S = 5.0
-_cgroup_slots_made = 0  # slots alive (in the pool or borrowed): at most num_cores() + 1
+QUARANTINE_POLL_S = 0.25  # how often a slot that did not empty in time is looked at again
+_cgroup_pool: list[_Slot] = []  # free slots
+_cgroup_waiting: list[_Slot] = []  # slots that did not empty in time: counted, never handed out, until empty
+_cgroup_live: list[_Slot] = []  # every slot this process holds (free, borrowed or waiting)
+_cgroup_slots_made = 0  # slots alive: at most num_cores() + 1
 _cgroup_slot_names = itertools.count()  # a slot's name is never reused: a dropped slot's folder may linger
 _cgroup_pool_ready = threading.Condition(threading.Lock())  # its own lock: _cgroup_parents holds _cgroup_lock
+_cgroup_watcher = False  # a thread watches the waiting slots
+_cgroup_refused = False  # the kernel refused a fresh slot: the slots made so far serve until the pool is closed
 _cgroup_exit_hook = False
 
 
 def allow_no_cgroup() -> bool:
-    """The user's explicit opt-in to the weaker mode: runs without a cgroup (per-process limits only)."""
+    """The user's explicit opt-in to the weaker mode: runs without a per-run cgroup, or without the part of it that
+    this machine cannot give (per-process limits only, or no bound on disk reads)."""
     return os.environ.get(ALLOW_NO_CGROUP_ENV, "").lower() in ("1", "true", "yes")
 
 
-def _make_cgroup_slot(index: int) -> tuple[list[str], list[int]]:
-    made, fds = [], []
-    try:
-        for parent, limits in _cgroup_parents():
-            path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{os.getpid()}-pool{index}")
-            os.mkdir(path)  # FileExistsError: never reuse a folder that another slot may hold
-            made.append(path)
-            for name, value, required in limits:  # memory.limit_in_bytes before memsw, which must be >= it
-                if required or os.path.exists(os.path.join(path, name)):
-                    with open(os.path.join(path, name), "w") as f:
-                        f.write(value)
-            fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
-    except OSError:
-        for fd in fds:
-            os.close(fd)
-        for path in made:
-            _remove_cgroup(path)
-        raise
-    return made, fds
+def _make_cgroup_slot() -> _Slot:
+    """A fresh slot, locked before it is used. A sweep may take a slot between its mkdir and its lock: then a fresh
+    name is tried (three times)."""
+    for attempt in range(3):
+        made, fds, locks, held = [], [], [], []
+        index = next(_cgroup_slot_names)
+        try:
+            for parent, limits in _cgroup_parents():
+                path = os.path.join(parent, f"{_SANDBOX_CGROUP_PREFIX}{_instance_id}-pool{index}")
+                os.mkdir(path)  # FileExistsError: never reuse a folder that another slot may hold
+                made.append(path)
+                locks.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+                fcntl.flock(locks[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)  # EWOULDBLOCK: a sweep holds it
+                held.append(path)
+                if not os.path.samestat(os.fstat(locks[-1]), os.stat(path)):
+                    raise FileNotFoundError(errno.ENOENT, "removed by a sweep before it was locked", path)
+                for name, value, required in limits:  # memory.limit_in_bytes before memsw, which must be >= it
+                    if required or os.path.exists(os.path.join(path, name)):
+                        with open(os.path.join(path, name), "w") as f:
+                            f.write(value)
+                fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
+            resets = [(os.path.join(p, n), v) for p in made for n, v in _RESETTABLE if os.path.exists(os.path.join(p, n))]
+            return _Slot(made, fds, locks, resets)
+        except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            for path in made:  # not one that a sweep holds: the sweep removes it
+                if path in held or exc.errno != errno.EWOULDBLOCK:
+                    _remove_cgroup(path)
+            for fd in locks:
+                os.close(fd)
+            raced = exc.errno in (errno.EWOULDBLOCK, errno.ENOENT, errno.ENODEV)
+            if not raced or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
-def _borrow_cgroups(wait_s: float = 30.0) -> tuple[list[str], list[int]]:
-    """A free slot of the bounded pool of per-run cgroups (memory, pids, CPU; at most one slot per core and
-    one for the probe), made at first need and reused: a run never makes a cgroup of its own, so the dying
+def _borrow_cgroups(wait_s: float = 30.0) -> _Slot:
+    """A free slot of the bounded pool of per-run cgroups (memory, pids, CPU, disk reads; at most one slot per core
+    and one for the probe), made at first need and reused: a run never makes a cgroup of its own, so the dying
     cgroups that runs leave behind cannot pile up until the kernel refuses a new one. CgroupsUnavailable if
-    this machine has none or no slot can be had within `wait_s` (fail closed: the caller does not run)."""
-    global _cgroup_slots_made, _cgroup_exit_hook
+    this machine has none, cannot bound disk reads (unless the user opted in), or no slot can be had within
+    `wait_s` (fail closed: the caller does not run)."""
+    global _cgroup_slots_made, _cgroup_exit_hook, _cgroup_refused
     if not _cgroup_parents():
         raise CgroupsUnavailable("no cgroup hierarchy with memory, pids and cpu that this process may use")
+    if _cgroup_missing:
+        missing = CgroupsUnavailable(f"no {_cgroup_missing} to bound a run's disk reads")
+        if not allow_no_cgroup():
+            raise missing
+        _warn_no_cgroup(missing, refused=False)
     deadline = time.monotonic() + wait_s
     with _cgroup_pool_ready:
         while True:
             if _cgroup_pool:
                 return _cgroup_pool.pop()
-            if _cgroup_slots_made < num_cores() + 1:
+            if _cgroup_slots_made < num_cores() + 1 and not _cgroup_refused:
                 if not _cgroup_exit_hook:
                     _cgroup_exit_hook = True
                     atexit.register(_close_cgroup_pool)
                 try:
-                    slot = _make_cgroup_slot(next(_cgroup_slot_names))
+                    slot = _make_cgroup_slot()
                 except OSError as exc:
                     if _cgroup_slots_made == 0:
                         raise CgroupsUnavailable(f"a run's cgroup could not be made ({exc})") from exc
                     log.warning("code sandbox: a cgroup slot could not be made (%s); runs wait for a free one", exc)
-                    _cgroup_slots_made = num_cores() + 1  # no more tries: the slots made so far serve
+                    _cgroup_refused = True  # no more tries: the slots made so far serve
                 else:
                     _cgroup_slots_made += 1
+                    _cgroup_live.append(slot)
                     return slot
             left = deadline - time.monotonic()
             if left <= 0:
@@ -427,67 +546,145 @@ def _borrow_cgroups(wait_s: float = 30.0) -> tuple[list[str], list[int]]:
             _cgroup_pool_ready.wait(left)
 
 
-def _return_cgroups(slot: tuple[list[str], list[int]]) -> None:
-    """Empty the slot (kill what is left in it, wait until its processes are gone) and put it back; a slot that
-    does not empty within `SLOT_EMPTY_WAIT_S` is dropped (removed where it can be) and never reused. The pid
-    count of a killed process is released only when it is reaped, and the orphans of a run are reaped by init
-    (about 2 s after 60 processes on the CI's VM), so a run that left processes behind can return late."""
-    folders, fds = slot
-    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in folders):
+def _return_cgroups(slot: _Slot) -> None:
+    """Empty the slot (kill what is left in it, wait until its processes are gone), reset its counters and put it
+    back. A slot that does not empty within `SLOT_EMPTY_WAIT_S` is not handed out again, and still counts against
+    the pool, until it is really empty (a thread looks at it every QUARANTINE_POLL_S): no fresh slot replaces it
+    while its processes live. Called only once the run's stage 0 has been reaped (it reaps every process of the
+    run first), so a slot that is not empty here holds processes that cannot die yet (uninterruptible I/O)."""
+    global _cgroup_watcher
+    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in slot.folders):
+        _reset_counters(slot)
         with _cgroup_pool_ready:
             _cgroup_pool.append(slot)
             _cgroup_pool_ready.notify()
         return
-    log.warning("code sandbox: cgroup slot %s did not empty within %.0f s; it is dropped", folders[0], SLOT_EMPTY_WAIT_S)
-    for fd in fds:
-        os.close(fd)
-    for path in folders:
-        _remove_cgroup(path)
+    log.warning(
+        "code sandbox: cgroup slot %s did not empty within %.0f s; it stays out of the pool, and counted, until it is empty",
+        slot.folders[0],
+        SLOT_EMPTY_WAIT_S,
+    )
     with _cgroup_pool_ready:
-        global _cgroup_slots_made
-        _cgroup_slots_made -= 1  # a fresh slot may take its place
-        _cgroup_pool_ready.notify()
+        _cgroup_waiting.append(slot)
+        if not _cgroup_watcher:
+            _cgroup_watcher = True
+            threading.Thread(target=_watch_waiting_slots, name="verifiers-sandbox-slots", daemon=True).start()
+
+
+def _watch_waiting_slots() -> None:
+    global _cgroup_watcher
+    while True:
+        time.sleep(QUARANTINE_POLL_S)
+        with _cgroup_pool_ready:
+            waiting = list(_cgroup_waiting)
+            if not waiting:
+                _cgroup_watcher = False
+                return
+        for slot in waiting:
+            if all(_empty_cgroup(path, 0.0) for path in slot.folders):
+                _reset_counters(slot)
+                with _cgroup_pool_ready:
+                    if slot in _cgroup_waiting:
+                        _cgroup_waiting.remove(slot)
+                        _cgroup_pool.append(slot)
+                        _cgroup_pool_ready.notify()
+                log.info("code sandbox: cgroup slot %s is empty again and back in the pool", slot.folders[0])
+
+
+def _reset_counters(slot: _Slot) -> None:
+    for path, value in slot.resets:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # hidden from every run all the same
+            log.debug("code sandbox: %s not reset: %s", path, exc)
+
+
+def _pidfd_in_cgroup(pid: int, name: str) -> int | None:
+    """A pidfd of `pid` if that process is (still) in the cgroup named `name`: the pidfd pins the process before its
+    cgroup is read, so a pid that was freed and reused is never signalled."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            if f"/{name}\n" in f.read():
+                return pidfd
+    except OSError:
+        pass
+    os.close(pidfd)
+    return None
 
 
 def _empty_cgroup(path: str, wait_s: float = 1.0) -> bool:
+    """Kill what is in the cgroup at `path` and wait up to `wait_s` until it is empty: no process in it and no task
+    still counted (a killed task holds pids.current until it is reaped). Those of its processes that are our
+    children (orphans that reached a trainer that is PID 1 or a subreaper) are reaped here."""
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = f.read().split()
-        except OSError:
-            return False
-        if not pids:  # and no task still counted: a killed run's exiting tasks hold pids.current until released
+    name, pidfds = os.path.basename(path), []
+    try:
+        while True:
             try:
-                with open(os.path.join(path, "pids.current")) as f:
-                    if f.read().strip() == "0":
-                        return True
-            except FileNotFoundError:
-                return True
-            except OSError:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids = [int(p) for p in f.read().split()]
+            except (OSError, ValueError):
                 return False
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
+            for pidfd in pidfds:
+                try:
+                    os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+                except OSError:  # not our child (its parent reaps it), or already reaped
+                    pass
+            if not pids:
+                try:
+                    with open(os.path.join(path, "pids.current")) as f:
+                        if f.read().strip() == "0":
+                            return True
+                except FileNotFoundError:
+                    return True
+                except OSError:
+                    return False
+            for pid in pids:
+                pidfd = _pidfd_in_cgroup(pid, name)
+                if pidfd is not None:
+                    pidfds.append(pidfd)
+                    try:
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    except OSError:
+                        pass
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+    finally:
+        for pidfd in pidfds:
+            os.close(pidfd)
 
 
 def _close_cgroup_pool() -> None:
-    """Remove the pool's cgroups (at exit, and by tests)."""
-    global _cgroup_slots_made
+    """Remove the pool's free cgroups, and the waiting ones that are empty by now (at exit, and by tests). A slot
+    still holding processes stays: its lock goes with this process, and a later trainer's sweep removes it once it
+    is empty."""
+    global _cgroup_slots_made, _cgroup_refused
     with _cgroup_pool_ready:
-        slots = _cgroup_pool[:]
+        emptied = [slot for slot in _cgroup_waiting if all(_empty_cgroup(path, 0.0) for path in slot.folders)]
+        slots = _cgroup_pool[:] + emptied
         _cgroup_pool.clear()
+        for slot in slots:
+            if slot in _cgroup_waiting:
+                _cgroup_waiting.remove(slot)
+            _cgroup_live.remove(slot)
         _cgroup_slots_made -= len(slots)
-    for folders, fds in slots:
-        for fd in fds:
+        _cgroup_refused = False
+    for slot in slots:
+        for fd in slot.fds:
             os.close(fd)
-        for path in folders:
+        for path in slot.folders:
             _remove_cgroup(path)
+        for fd in slot.locks:
+            os.close(fd)
 
 
 def preflight() -> None:
@@ -504,21 +701,15 @@ def _join_run_cgroups(procs_fds: list[int], pid: int) -> None:
 
 
 def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
-    """Kill what is left in a run's cgroup and remove it, for at most `wait_s`; never raises."""
+    """Remove an empty cgroup of ours, for at most `wait_s`; never kills anything, never raises."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                for pid in f.read().split():
-                    try:
-                        os.kill(int(pid), signal.SIGKILL)
-                    except OSError:
-                        pass
             os.rmdir(path)
             return
         except FileNotFoundError:
             return
-        except Exception as exc:  # noqa: BLE001 - a cgroup left behind must not stop training
+        except OSError as exc:  # a cgroup left behind must not stop training
             if time.monotonic() >= deadline:
                 log.warning("code sandbox: cgroup %s not removed: %s", path, exc)
                 return
@@ -570,30 +761,6 @@ def _marked_pids(marker: bytes, pids: list[int] | None = None) -> list[int]:
         except OSError:
             pass
     return found
-
-
-def _kill_marked(run_id: str, wait_s: float = 3.0) -> None:
-    """SIGKILL every process tagged with this run's marker (also those that left the process group
-    with setsid) until none is left; pidfds make a recycled PID safe to skip."""
-    marker = f"{_SANDBOX_MARKER}={run_id}".encode()
-    deadline = time.monotonic() + wait_s
-    while (pids := _marked_pids(marker)) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pidfd = None
-            try:
-                if pidfd is None:
-                    os.kill(pid, signal.SIGKILL)
-                elif _marked_pids(marker, [pid]):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                if pidfd is not None:
-                    os.close(pidfd)
-        time.sleep(0.01)
 
 
 def _read_available(fd: int, limit: int) -> bytes:
@@ -722,24 +889,115 @@ def _warn_no_cgroup(exc: Exception, refused: bool) -> None:
             ALLOW_NO_CGROUP_ENV,
         )
     else:
-        log.warning("code sandbox: %s; %s=1: runs have per-process limits only", exc, ALLOW_NO_CGROUP_ENV)
+        log.warning("code sandbox: %s; %s=1: runs go on without that limit", exc, ALLOW_NO_CGROUP_ENV)
+
+
+def _kill_run(slot: _Slot | None, run_id: str, spare: int, wait_s: float = 3.0) -> None:
+    """SIGKILL every process of a run but its stage 0 (`spare`, which reaps them all: it is a subreaper), until
+    none is left or `wait_s` has passed: those in its slot and those tagged with its marker (also a process that
+    left the process group with setsid, or the slot where there is none). A pidfd pins each process before it is
+    checked, so a recycled pid is never signalled."""
+    marker = f"{_SANDBOX_MARKER}={run_id}".encode()
+    name = os.path.basename(slot.folders[0]) if slot is not None else None
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = set(_marked_pids(marker))
+        for path in slot.folders if slot is not None else []:
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids.update(int(p) for p in f.read().split())
+            except (OSError, ValueError):
+                pass
+        pids.discard(spare)
+        if not pids or time.monotonic() >= deadline:
+            return
+        for pid in pids:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                with open(f"/proc/{pid}/cgroup") as f:
+                    ours = name is not None and f"/{name}\n" in f.read()
+                if ours or _marked_pids(marker, [pid]):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(pidfd)
+        time.sleep(0.01)
+
+
+def _watch(proc: subprocess.Popen, status_fd: int, start_token: bytes, start: float, timeout: float):
+    """Follow a run until its stage 0 exits or its time is up, reading its status lines as they come. The set-up
+    (the interpreter, the namespaces, the judge, the runner) has START_TIMEOUT_S from `start` to report "started";
+    the program's `timeout` counts from that report. Returns (status, started, exited)."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except OSError:  # Linux < 5.3: look every 10 ms
+        pidfd = None
+    poller = select.poll()
+    poller.register(status_fd, select.POLLIN)
+    if pidfd is not None:
+        poller.register(pidfd, select.POLLIN)
+    status, started, deadline = b"", False, start + START_TIMEOUT_S
+    try:
+        while True:
+            if not started and start_token in status:
+                started, deadline = True, time.monotonic() + timeout
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return status, started, False
+            events = poller.poll(left * 1000 if pidfd is not None else min(left * 1000, 10))
+            exited = any(fd == pidfd for fd, _ in events) or (pidfd is None and _wait_exit(proc, 0))
+            if any(fd == status_fd for fd, _ in events) or exited:
+                chunk = _read_available(status_fd, (1 << 16) - len(status))
+                if not chunk and not exited:
+                    poller.unregister(status_fd)  # every writer has closed it
+                status += chunk
+            if exited:
+                return status, started or start_token in status, True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _stop(proc: subprocess.Popen, slot: _Slot | None, run_id: str) -> bool:
+    """At a run's deadline (the life pipe is closed: stage 0 kills what is below it and reaps it all): True once
+    stage 0 has exited. After STOP_GRACE_S the trainer kills every other process of the run itself (stage 0 still
+    reaps them); False if stage 0 is still there after that (a process that cannot die yet, in uninterruptible
+    I/O): the caller hands the run to a thread that waits for it, its slot counted all the while."""
+    if _wait_exit(proc, STOP_GRACE_S):
+        return True
+    _kill_run(slot, run_id, spare=proc.pid)
+    return _wait_exit(proc, 1.0)
+
+
+def _finish_late(proc: subprocess.Popen, slot: _Slot | None, folder: str | None) -> None:
+    proc.wait()  # stage 0 exits only once it has reaped every process of the run
+    log.info("code sandbox: a run that outlived its deadline has ended")
+    if slot is not None:
+        _return_cgroups(slot)
+    if folder is not None:
+        _remove_folder(folder)
 
 
 def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) -> SandboxResult:
     start = time.monotonic()
     run_id, start_token, pass_token = (secrets.token_hex(16) for _ in range(3))
     folder, slot, outputs, handles = None, None, [], []
-    read_fd = write_fd = -1
-    proc, finished, error = None, False, ""
+    status_r = status_w = life_r = life_w = -1
+    proc, exited, started, status, error = None, False, False, b"", ""
     try:
         try:
             if mode == "fallback":  # no mount namespace: the program's folder is on the host disk
                 _make_trainer_undumpable()
                 folder = tempfile.mkdtemp(prefix=_SANDBOX_TMP_PREFIX, dir=_sandbox_parent())
-                work = os.path.join(folder, "work")
+                work, judge_home = os.path.join(folder, "work"), os.path.join(folder, "judge")
                 os.mkdir(work, 0o700)
+                os.mkdir(judge_home, 0o500)
             else:  # the run's own tmpfs, which dies with its mount namespace
-                work = "/tmp"
+                work, judge_home = "/tmp", _JUDGE_HOME
             try:
                 slot = _borrow_cgroups()
             except CgroupsUnavailable as exc:
@@ -748,8 +1006,10 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
                     return SandboxResult("error", mode, time.monotonic() - start, f"code sandbox: {exc}")
                 if not probe:
                     _warn_no_cgroup(exc, refused=False)
-            cgroup_fds = slot[1] if slot is not None else []
-            read_fd, write_fd = os.pipe()
+            cgroup_fds = slot.fds if slot is not None else []
+            status_r, status_w = os.pipe()
+            life_r, life_w = os.pipe()  # the trainer holds the write end; stage 0 ends the run when it closes
+            _life_pipes.add(life_w)
             go_read, go_write = os.pipe()
             handles += [go_read, go_write]
             # what the runner (the program's process) may know; the rest is read by the judge only
@@ -758,6 +1018,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
             public.update(
                 sandbox=mode,
                 work=work,
+                judge_home=judge_home,
                 uid=SANDBOX_UID if os.geteuid() == 0 else None,
                 view=_sandbox_view() if mode != "fallback" else None,
                 site=SITE_DIRS,
@@ -780,15 +1041,15 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
                 os.lseek(handles[-1], 0, os.SEEK_SET)
             env = {
                 "PATH": "/usr/local/bin:/usr/bin:/bin",
-                "HOME": work,
-                "TMPDIR": work,
+                "HOME": judge_home,  # the judge's, an empty folder of its own; the runner sets the program's
+                "TMPDIR": judge_home,
                 "LANG": "C.UTF-8",
                 "OMP_NUM_THREADS": "1",
                 "OPENBLAS_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1",
                 _SANDBOX_MARKER: run_id,
             }
-            fds = (write_fd, handles[-2], handles[-1], go_read)
+            fds = (status_w, handles[-2], handles[-1], go_read, life_r)
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _HARNESS_SRC, *map(str, fds)],
                 cwd=work if mode == "fallback" else "/",
@@ -804,24 +1065,29 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
             _join_run_cgroups(cgroup_fds, proc.pid)
             os.write(go_write, b"1")
         finally:
-            for fd in (write_fd, *handles):
+            for fd in (status_w, life_r, *handles):
                 if fd >= 0:
                     os.close(fd)
-        finished = _wait_exit(proc, start + timeout - time.monotonic())
+        status, started, exited = _watch(proc, status_r, start_token.encode(), start, timeout)
     except OSError as exc:
         error = str(exc)
     finally:
+        if life_w >= 0:
+            _life_pipes.discard(life_w)
+            os.close(life_w)  # stage 0 kills and reaps whatever of the run is left, then exits
+        if proc is not None and not exited and not _stop(proc, slot, run_id):
+            log.warning(
+                "code sandbox: a run's processes did not end within %.0f s of its deadline (uninterruptible I/O?); "
+                "its cgroup slot stays out of the pool until they have",
+                STOP_GRACE_S + 1,
+            )
+            threading.Thread(target=_finish_late, args=(proc, slot, folder), daemon=True).start()
+            proc = slot = folder = None  # the thread returns them
         if proc is not None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the leader is unreaped: the group id is ours
-            except OSError:
-                pass
-            if mode == "fallback" or not finished:
-                _kill_marked(run_id)
-            proc.wait()
-        status = _read_available(read_fd, 1 << 16) if read_fd >= 0 else b""
+            proc.wait()  # stage 0 has exited: this reaps the only process of the run that is our child
+        status += _read_available(status_r, (1 << 16) - len(status)) if status_r >= 0 else b""
         stderr_tail = error or (_tail(outputs[1], 2000) if len(outputs) == 2 else "")
-        for fd in (read_fd, *outputs):
+        for fd in (status_r, *outputs):
             if fd >= 0:
                 os.close(fd)
         if slot is not None:
@@ -832,6 +1098,11 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
     if pass_token.encode() in status:
         return SandboxResult("passed", mode, elapsed, stderr_tail)
     if start_token.encode() in status:
-        return SandboxResult("failed" if finished else "timeout", mode, elapsed, stderr_tail)
+        return SandboxResult("failed" if exited else "timeout", mode, elapsed, stderr_tail)
+    if not error and not exited:
+        stderr_tail = (
+            f"code sandbox: the run did not start within {START_TIMEOUT_S:.0f} s (its interpreter and judge were "
+            f"still starting: a starved disk or CPU?){chr(10) + stderr_tail if stderr_tail else ''}"
+        )
     log.warning("code sandbox (%s) did not start: %s", mode, stderr_tail[-500:])
     return SandboxResult("error", mode, elapsed, stderr_tail)

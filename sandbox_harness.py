@@ -6,19 +6,24 @@ import sys
 
 # Trusted code, run as `python -I -S -c` (no site processing, no script directory on sys.path)
 # by the trainer. Three stages in the namespace modes:
-#   stage 0 (the trainer's child, on the host; moved into the run's cgroups before it may fork):
-#     forks stage 1 and writes its uid/gid maps (host root: 0 -> 0 for the judge, 65534 -> 65534 for
-#     the program);
+#   stage 0 (the trainer's child, on the host; moved into the run's cgroups before it may fork): a subreaper,
+#     forks stage 1 and writes its uid/gid maps (host root: 0 -> 0 for the judge, 65534 -> 65534 for the
+#     program), then supervises (below);
 #   stage 1: unshares user, mount, IPC, UTS, network, PID and cgroup namespaces, forks the judge;
 #   the JUDGE (pid 1 of the new PID namespace): builds the program's view of the machine, holds the
 #     tokens and the tests, never runs the program. When it exits, every process of the run dies.
+# In the fallback, stage 0 forks the judge itself. Stage 0 supervises: when its child exits or the trainer closes
+# the life pipe (the run's deadline, or the trainer's death), it kills whatever is left below it and reaps it all
+# before it exits. Every process of a run descends from stage 0, and as a subreaper it adopts their orphans, so the
+# trainer only ever reaps stage 0: nothing is orphaned to the trainer, which matters where it is PID 1 (a
+# container's entry process) or a subreaper itself.
 # The program runs in a RUNNER: a child forked before the judge reads its secrets (HumanEval,
 # MBPP) or a fresh interpreter per case (stdin/stdout), as the unprivileged host uid where the
 # trainer is root, with no capabilities, no_new_privs, its own limits and a seccomp filter. The
 # judge sees only plain data from the runner.
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
-PR_SET_SECUREBITS, PR_CAPBSET_DROP = 28, 24
+PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER = 28, 24, 36
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
@@ -70,24 +75,24 @@ def write_file(path, text):
 # ---- stages 0 and 1: the namespaces; only the judge returns from here ----
 
 
-def enter_namespaces(job):
+def enter_namespaces(job, life_fd):
     ready_r, ready_w = os.pipe()  # two pipes: a child never reads back its own byte
     go_r, go_w = os.pipe()
     child = os.fork()
     if child:  # stage 0, on the host: maps for stage 1's user namespace
         os.close(ready_w)
         os.close(go_r)
-        if os.read(ready_r, 1) != b"1":
-            os._exit(3)
-        uid = job["uid"]
-        if uid is not None:  # host root: uid 0 stays the judge's, the program gets `uid`
-            maps = [("uid_map", f"0 0 1\n{uid} {uid} 1\n"), ("gid_map", f"0 0 1\n{uid} {uid} 1\n")]
-        else:  # a user can map only itself (root inside = this user outside)
-            maps = [("setgroups", "deny"), ("uid_map", f"0 {os.geteuid()} 1\n"), ("gid_map", f"0 {os.getegid()} 1\n")]
-        for name, text in maps:
-            write_file(f"/proc/{child}/{name}", text)
-        os.write(go_w, b"1")
-        os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) & 0xFF)
+        if os.read(ready_r, 1) == b"1":
+            uid = job["uid"]
+            if uid is not None:  # host root: uid 0 stays the judge's, the program gets `uid`
+                maps = [("uid_map", f"0 0 1\n{uid} {uid} 1\n"), ("gid_map", f"0 0 1\n{uid} {uid} 1\n")]
+            else:  # a user can map only itself (root inside = this user outside)
+                maps = [("setgroups", "deny"), ("uid_map", f"0 {os.geteuid()} 1\n"), ("gid_map", f"0 {os.getegid()} 1\n")]
+            for name, text in maps:
+                write_file(f"/proc/{child}/{name}", text)
+            os.write(go_w, b"1")
+        supervise(child, life_fd)
+    os.close(life_fd)
     os.close(ready_r)
     os.close(go_w)
     libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # a non-root stage 0 must open our /proc files (no secret here)
@@ -96,7 +101,7 @@ def enter_namespaces(job):
     os.write(ready_w, b"1")
     if os.read(go_r, 1) != b"1":
         os._exit(3)
-    judge = os.fork()  # pid 1 of the new PID namespace (in the trainer's process group: killpg reaches it)
+    judge = os.fork()  # pid 1 of the new PID namespace
     if judge:
         os._exit(os.waitstatus_to_exitcode(os.waitpid(judge, 0)[1]) & 0xFF)
     libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
@@ -104,18 +109,79 @@ def enter_namespaces(job):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores every default-action signal sent from inside
 
 
+def start_judge(life_fd):
+    """The fallback's stage 0: fork the judge (which returns) and supervise it."""
+    child = os.fork()
+    if child:
+        supervise(child, life_fd)
+    os.close(life_fd)
+
+
+def children():
+    """This process's children (their pids stay theirs until we reap them)."""
+    me, found = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == me:
+                        found.append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def supervise(child, life_fd):
+    """Stage 0, a subreaper: wait until `child` exits or the life pipe closes (nothing is ever written to it:
+    readable means closed), then kill what is left below us (orphans become our children, so rounds of killing
+    our children reach every descendant) and reap it all; exit with `child`'s status. Never returns."""
+    import select
+
+    poller, code = select.poll(), 137
+    poller.register(life_fd, select.POLLIN)
+    try:
+        poller.register(os.pidfd_open(child), select.POLLIN)
+        poller.poll()
+    except OSError:  # no pidfd (Linux < 5.3, the fallback): look every 20 ms
+        while not poller.poll(20):
+            pid, status = os.waitpid(child, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                break
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:  # children still alive: kill them all, then block until one of them is gone
+            for pid in children():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            pid, status = os.wait()
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+    os._exit(code & 0xFF)
+
+
 def build_view(job):
     """The program's file system, in the judge's mount namespace: everything read-only, nosuid,
-    nodev; a fresh /proc with /proc/sys read-only and the kernel's sensitive files masked (or no
-    /proc at all in namespaces-noproc); a /dev of five devices; the run's only writable folder, /tmp,
-    a tmpfs bounded in bytes and inodes (also /dev/shm) that dies with the namespace; /run hidden;
-    the trainer's home and every folder the program's uid cannot search covered by an empty tmpfs
-    with the interpreter and packages bound back; the data files known to hold solutions masked."""
+    nodev; a fresh /proc that shows a process only to those who may ptrace it (hidepid: not the judge) with
+    /proc/sys read-only and the kernel's sensitive files masked (or no /proc at all in namespaces-noproc); a /dev
+    of five devices; the run's only writable folder, /tmp, a tmpfs bounded in bytes and inodes (also /dev/shm)
+    that dies with the namespace; /run hidden but for the judge's empty HOME; /sys/fs/cgroup hidden (the pool's
+    counters would carry bits between runs); the trainer's home and every folder the program's uid cannot search
+    covered by an empty tmpfs with the interpreter and packages bound back; the data files known to hold
+    solutions masked."""
     view, uid = job["view"], job["uid"] if job["uid"] is not None else 0
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     fresh_proc = job["sandbox"] == "namespaces"
     if fresh_proc:  # before any mask: the kernel refuses a new proc where the visible one is covered
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        try:
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        except OSError:  # kernels before 5.8 know only the number
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     keep = [*(f"/dev/{d}" for d in DEVICES), *view["bind_back"], *view["tmp_bind_back"]]
     keep = {path: os.open(path, os.O_PATH) for path in keep}
     for cover in view["cover"]:
@@ -169,8 +235,9 @@ def build_view(job):
             mount(entry, target, None, MS_BIND | MS_REC)
     for fd in keep.values():
         os.close(fd)
-    if os.path.isdir("/run"):
-        mount("tmpfs", "/run", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
+    if os.path.isdir("/run"):  # read-only with the rest below: the judge's HOME stays empty
+        mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=4k,nr_inodes=3")
+        os.mkdir(job["judge_home"], 0o755)
     write_file("/proc/sys/user/max_user_namespaces", "0")  # no nested user namespace for the program
     if fresh_proc:
         for path in ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):
@@ -187,9 +254,9 @@ def build_view(job):
         ):
             if os.path.exists(path):
                 mount("/dev/null", path, None, MS_BIND)
-        masked = ("/proc/acpi", "/proc/scsi", "/sys/firmware")
+        masked = ("/proc/acpi", "/proc/scsi", "/sys/firmware", "/sys/fs/cgroup")
     else:
-        masked = ("/proc", "/sys/firmware")
+        masked = ("/proc", "/sys/firmware", "/sys/fs/cgroup")
     for path in masked:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,nr_inodes=2")
@@ -252,16 +319,21 @@ def set_limits(job):
 # System calls a program may make (x86_64), an allow-list: what CPython, its standard library and common
 # packages use. Everything else is refused by omission, with EPERM (the kernel's own ENOSYS would hide the
 # refusal; the new calls glibc uses, with a fallback, are allowed).
-# Left out on purpose, among others: ptrace (101), syslog (103), uselib (134), vhangup
+# Left out on purpose, among others: mincore (27: which pages of a file are cached, a channel between runs),
+# ptrace (101), syslog (103), uselib (134), vhangup
 # (153), modify_ldt (154), pivot_root (155), _sysctl (156), adjtimex (159), chroot (161), acct (163),
 # settimeofday (164), mount/umount2 (165, 166), swapon/swapoff (167, 168), reboot (169), sethostname/
 # setdomainname (170, 171), iopl/ioperm (172, 173), the module calls (174-178, 313), quotactl (179), the
-# unimplemented 180-185, lookup_dcookie (212), clock_settime (227), vserver (236), kexec (246, 320), the keyring
+# unimplemented 180-185, the legacy AIO calls (206-210, io_pgetevents 333: I/O a process cannot be killed out of,
+# and fs.aio-max-nr, a host-wide limit one run could take whole), lookup_dcookie (212), clock_settime (227),
+# vserver (236), kexec (246, 320), the keyring
 # (248-250), unshare (272), perf_event_open (298), fanotify_init (300), name_to_handle_at/open_by_handle_at
 # (303, 304), clock_adjtime (305), setns (308), process_vm_readv/writev (310, 311), kcmp (312), bpf (321),
 # userfaultfd (323); from 335 on all but the few listed: io_uring (425-427), the new mount API (428-433, 442),
-# pidfd_getfd (438), process_madvise (440), landlock (444-446), memfd_secret (447), process_mrelease (448), ...
+# pidfd_getfd (438), process_madvise (440), landlock (444-446), memfd_secret (447), process_mrelease (448),
+# cachestat (451), ...
 OMITTED_BELOW_335 = {
+    27,
     101,
     103,
     134,
@@ -294,6 +366,11 @@ OMITTED_BELOW_335 = {
     183,
     184,
     185,
+    206,
+    207,
+    208,
+    209,
+    210,
     212,
     227,
     236,
@@ -315,20 +392,34 @@ OMITTED_BELOW_335 = {
     320,
     321,
     323,
+    333,
 }
-ALLOWED_FROM_335 = {424, 434, 436, 437, 439, 441, 449, 452}  # pidfd_send_signal, pidfd_open, close_range, openat2,
-# faccessat2, epoll_pwait2, futex_waitv, fchmodat2
+ALLOWED_FROM_335 = {424, 434, 436, 439, 441, 449, 452}  # pidfd_send_signal, pidfd_open, close_range, faccessat2,
+# epoll_pwait2, futex_waitv, fchmodat2
 SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (the run's network namespace is empty); AF_UNIX only as socketpair
 ALLOWED_SYSCALLS = sorted((set(range(335)) - OMITTED_BELOW_335) | ALLOWED_FROM_335)
+# Answered 0 without being run: msync, fsync, fdatasync, sync, fadvise64, sync_file_range, syncfs. A program's only
+# writable files are on its tmpfs, where they do nothing; on the host's files they would make the disk flush, wait
+# uninterruptibly for the host's writeback, or (fadvise DONTNEED) drop pages that an honest run beside it then has
+# to read from the disk again.
+NO_OP_SYSCALLS = (26, 74, 75, 162, 221, 277, 306)
+# Answered ENOSYS: clone3 and openat2, whose flags live in memory that BPF cannot read (glibc and CPython use
+# clone and openat, or fall back to them).
+ENOSYS_SYSCALLS = (435, 437)
+O_DIRECT, F_SETFL = 0o40000, 4  # x86_64: reads past the page cache, waited for uninterruptibly
+MADV_ALLOWED = ((0, 19), (22, 25))  # madvise: not MADV_COLD (20) or MADV_PAGEOUT (21), which evict others' pages
+RWF_ALLOWED = 0x17  # preadv2/pwritev2: HIPRI, DSYNC, SYNC, APPEND; not NOWAIT (asks the page cache without reading)
 
 
 def seccomp_program():
-    """A classic BPF filter for x86_64 (seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i): default deny.
-    Allowed: the system calls of ALLOWED_SYSCALLS, with these checks of their arguments: socket only for the
-    families of SOCKET_FAMILIES (no AF_UNIX path to a host service, no vsock, netlink, packet, ...: EPERM),
-    socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag; clone3 answers ENOSYS (its flags live
-    in memory BPF cannot read; glibc falls back to clone). Any other architecture: the process is killed (an
-    x32-ABI call: EPERM)."""
+    """A classic BPF filter for x86_64 (seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i, its low 32 bits
+    first): default deny. Allowed: the system calls of ALLOWED_SYSCALLS, with these checks of their arguments:
+    socket only for the families of SOCKET_FAMILIES (no AF_UNIX path to a host service, no vsock, netlink, packet,
+    ...: EPERM), socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag, open/openat without O_DIRECT
+    and fcntl(F_SETFL) not setting it, madvise only with the advice of MADV_ALLOWED, preadv2/pwritev2 only with the
+    flags of RWF_ALLOWED (every one of these arguments is an int or is read as one by the kernel: the low half is
+    the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other architecture: the process is
+    killed (an x32-ABI call: EPERM)."""
     import struct
 
     ld, jeq, jset, jge, jgt, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x25, 0x06, 0x54
@@ -338,15 +429,31 @@ def seccomp_program():
     def op(code, jt, jf, k):
         return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
+    def arg(i):
+        return op(ld, 0, 0, 16 + 8 * i)
+
+    def only(nr, block):  # `block` ends in a return on every path; other calls skip it (A still holds nr)
+        return [op(jeq, 0, len(block), nr), *block]
+
+    no, yes = op(ret, 0, 0, eperm), op(ret, 0, 0, allow)
     p = [op(ld, 0, 0, 4), op(jeq, 1, 0, 0xC000003E), op(ret, 0, 0, kill)]  # arch == AUDIT_ARCH_X86_64
-    p += [op(ld, 0, 0, 0), op(jge, 0, 1, 0x40000000), op(ret, 0, 0, eperm)]  # the x32 ABI
-    p += [op(jeq, 0, 1, 435), op(ret, 0, 0, enosys)]  # clone3
+    p += [op(ld, 0, 0, 0), op(jge, 0, 1, 0x40000000), no]  # the x32 ABI
+    for nr in ENOSYS_SYSCALLS:
+        p += only(nr, [op(ret, 0, 0, enosys)])
+    for nr in NO_OP_SYSCALLS:
+        p += only(nr, [op(ret, 0, 0, errno_)])  # errno 0: the call returns 0, not run
     families = [op(jeq, len(SOCKET_FAMILIES) - i, 0, family) for i, family in enumerate(SOCKET_FAMILIES)]
-    p += [op(jeq, 0, len(families) + 3, 41), op(ld, 0, 0, 16), *families, op(ret, 0, 0, eperm), op(ret, 0, 0, allow)]
-    p += [op(jeq, 0, 8, 53), op(ld, 0, 0, 16), op(jeq, 1, 0, 1), op(ret, 0, 0, eperm)]  # socketpair: AF_UNIX...
-    p += [op(ld, 0, 0, 24), op(and_, 0, 0, 0xF), op(jeq, 1, 0, 1), op(ret, 0, 0, eperm), op(ret, 0, 0, allow)]
-    p += [op(jeq, 0, 4, 56), op(ld, 0, 0, 16), op(jset, 1, 0, 0x7E020000), op(ret, 0, 0, allow)]  # clone
-    p += [op(ret, 0, 0, eperm)]
+    p += only(41, [arg(0), *families, no, yes])
+    p += only(53, [arg(0), op(jeq, 1, 0, 1), no, arg(1), op(and_, 0, 0, 0xF), op(jeq, 1, 0, 1), no, yes])  # socketpair
+    p += only(56, [arg(0), op(jset, 1, 0, 0x7E020000), yes, no])  # clone
+    p += only(2, [arg(1), op(jset, 0, 1, O_DIRECT), no, yes])  # open
+    p += only(257, [arg(2), op(jset, 0, 1, O_DIRECT), no, yes])  # openat
+    p += only(72, [arg(1), op(jeq, 0, 3, F_SETFL), arg(2), op(jset, 0, 1, O_DIRECT), no, yes])  # fcntl
+    (lo1, hi1), (lo2, hi2) = MADV_ALLOWED
+    assert lo1 == 0
+    p += only(28, [arg(2), op(jgt, 3, 0, hi2), op(jge, 3, 0, lo2), op(jgt, 1, 0, hi1), yes, no, yes])  # madvise
+    for nr in (327, 328):  # preadv2, pwritev2
+        p += only(nr, [arg(5), op(jset, 0, 1, ~RWF_ALLOWED), no, yes])
     intervals = []  # the allowed numbers as runs [lo, hi]
     for nr in ALLOWED_SYSCALLS:
         if intervals and intervals[-1][1] == nr - 1:
@@ -354,8 +461,8 @@ def seccomp_program():
         else:
             intervals.append([nr, nr])
     for lo, hi in intervals:  # nr >= lo and not nr > hi: allow; else the next run
-        p += [op(jge, 0, 2, lo), op(jgt, 1, 0, hi), op(ret, 0, 0, allow)]
-    p += [op(ret, 0, 0, eperm)]  # everything else (the kernel's own ENOSYS would hide the filter's refusal)
+        p += [op(jge, 0, 2, lo), op(jgt, 1, 0, hi), yes]
+    p += [no]  # everything else (the kernel's own ENOSYS would hide the filter's refusal)
     return b"".join(p)
 
 
@@ -479,6 +586,7 @@ def runner(job, channel_in, channel_out):
     os.closerange(RUNNER_OUT + 1, 1 << 16)
     try:
         os.chdir(job["work"])
+        os.environ["HOME"] = os.environ["TMPDIR"] = job["work"]  # the judge's are its own empty folder
         become_runner(job)
         libc().prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # nothing secret here; the trainer may scan it
     except BaseException as exc:
@@ -621,6 +729,179 @@ def function_under_test(tests, namespace):
 
 
 FAILURES = "__verifiers_failures__"  # the judge's list of failed checks, a name of the tests' namespace
+WHOLE = "__verifiers_whole__"  # the helpers of the rewritten expressions (WholeEvaluation), a name of it too
+COMPARISONS = {
+    "Eq": lambda a, b: a == b,
+    "NotEq": lambda a, b: a != b,
+    "Lt": lambda a, b: a < b,
+    "LtE": lambda a, b: a <= b,
+    "Gt": lambda a, b: a > b,
+    "GtE": lambda a, b: a >= b,
+    "Is": lambda a, b: a is b,
+    "IsNot": lambda a, b: a is not b,
+    "In": lambda a, b: a in b,
+    "NotIn": lambda a, b: a not in b,
+}
+
+
+class WholeEvaluation:
+    """What the expressions rewritten by `whole_expressions` call: every operand has been evaluated already (each
+    `capture`d as (True, value) or (False, exception)), and these give the value and raise the exception that
+    Python's own short-circuit would have given or raised."""
+
+    @staticmethod
+    def capture(thunk):
+        try:
+            return True, thunk()
+        except Exception as exc:
+            return False, exc
+
+    @staticmethod
+    def value(item):
+        if not item[0]:
+            raise item[1]
+        return item[1]
+
+    def both(self, *items):  # a and b and ...
+        for i, item in enumerate(items):
+            value = self.value(item)
+            if i == len(items) - 1 or not value:
+                return value
+
+    def either(self, *items):  # a or b or ...
+        for i, item in enumerate(items):
+            value = self.value(item)
+            if i == len(items) - 1 or value:
+                return value
+
+    def choose(self, test, body, orelse):  # body if test else orelse
+        return self.value(body if self.value(test) else orelse)
+
+    def compare(self, items, ops):  # a < b < c ...
+        left = self.value(items[0])
+        for op, item in zip(ops, items[1:]):
+            right = self.value(item)
+            result = COMPARISONS[op](left, right)
+            if not result:
+                return result
+            left = right
+        return result
+
+    def every(self, function, items, captured):
+        """all(...) / any(...) over items all drawn first (`captured`: a list of captures; else an iterable, drawn
+        to its end here, an exception of one item not stopping the others where the iterator goes on: map does,
+        a generator does not)."""
+        if not captured:
+            iterator, items = iter(items), []
+            while True:
+                try:
+                    items.append((True, next(iterator)))
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    items.append((False, exc))
+        if function is builtins.all or function is builtins.any:
+            wanted = function is builtins.any
+            for item in items:
+                if bool(self.value(item)) == wanted:
+                    return wanted
+            return not wanted
+        return function(self.value(item) for item in items)  # the test's own all/any
+
+
+def whole_expressions(tree, wrap_top_level):
+    """Rewrite the expressions of test code that would stop calling the program at a failed check: `and`/`or`,
+    chained comparisons and `x if c else y` evaluate every operand before combining them, and all()/any() draw
+    every item (a generator's items each captured); assert messages, evaluated only when the check failed, are
+    dropped. Where: every assert, and every statement of the guarded code (HumanEval: `check`'s body; MBPP: each
+    line), not the test's own helper functions (a recursive `n < 2 or f(n - 1)` must stay short-circuited) and
+    not class bodies (their names are not visible from the lambdas the rewrite makes). An operand that a lambda
+    would change (a walrus, yield, await, super(), locals(), ...) keeps its node as it is."""
+    import ast
+
+    unsafe_calls = {"super", "locals", "vars", "dir", "eval", "exec", "globals"}
+
+    def safe(node):
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await)):
+                return False
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in unsafe_calls:
+                return False
+            if isinstance(sub, ast.comprehension) and sub.is_async:
+                return False
+        return True
+
+    def helper(name, args):
+        return ast.Call(ast.Attribute(ast.Name(WHOLE, ast.Load()), name, ast.Load()), args, [])
+
+    def capture(node):
+        lam = ast.Lambda(ast.arguments([], [], None, [], [], None, []), node)
+        return helper("capture", [lam])
+
+    class Rewrite(ast.NodeTransformer):
+        def __init__(self):
+            self.active, self.in_class = wrap_top_level, False
+
+        def scoped(self, node, active, in_class):
+            outer = self.active, self.in_class
+            self.active, self.in_class = active, in_class
+            self.generic_visit(node)
+            self.active, self.in_class = outer
+            return node
+
+        def visit_FunctionDef(self, node):
+            return self.scoped(node, node.name == "check" and not wrap_top_level, False)
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_ClassDef(self, node):
+            return self.scoped(node, False, True)
+
+        def visit_Lambda(self, node):
+            return self.scoped(node, self.active, False)
+
+        def visit_Assert(self, node):
+            node.msg = None
+            return self.scoped(node, not self.in_class, self.in_class)
+
+        def visit_BoolOp(self, node):
+            self.generic_visit(node)
+            if not self.active or not all(map(safe, node.values)):
+                return node
+            name = "both" if isinstance(node.op, ast.And) else "either"
+            return helper(name, [capture(v) for v in node.values])
+
+        def visit_Compare(self, node):
+            self.generic_visit(node)
+            if not self.active or len(node.ops) < 2 or not all(map(safe, [node.left, *node.comparators])):
+                return node
+            items = ast.List([capture(v) for v in [node.left, *node.comparators]], ast.Load())
+            ops = ast.Tuple([ast.Constant(type(op).__name__) for op in node.ops], ast.Load())
+            return helper("compare", [items, ops])
+
+        def visit_IfExp(self, node):
+            self.generic_visit(node)
+            if not self.active or not all(map(safe, (node.test, node.body, node.orelse))):
+                return node
+            return helper("choose", [capture(node.test), capture(node.body), capture(node.orelse)])
+
+        def visit_Call(self, node):
+            self.generic_visit(node)
+            if not (
+                self.active
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("all", "any")
+                and len(node.args) == 1
+                and not node.keywords
+                and not isinstance(node.args[0], ast.Starred)
+            ):
+                return node
+            items, captured = node.args[0], False
+            if isinstance(items, ast.GeneratorExp) and safe(items):
+                items, captured = ast.ListComp(capture(items.elt), items.generators), True
+            return helper("every", [node.func, items, ast.Constant(captured)])
+
+    return Rewrite().visit(tree)
 
 
 class NoFeedback:
@@ -629,7 +910,8 @@ class NoFeedback:
     <record>`, also when evaluating it raised (the program's call failed, its value broke the test's own code);
     every statement of the test's body (HumanEval: the body of `check`, and the loops and branches in it; MBPP:
     each line) is wrapped the same way. Left as they are: the bodies of `try` (a test may expect an exception)
-    and of `while` (a statement that fails each time would loop forever)."""
+    and of `while` (a statement that fails each time would loop forever). Inside one statement, the expressions
+    that would stop at a failed check are evaluated whole first (`whole_expressions`)."""
 
     def __init__(self, wrap_top_level):
         self.wrap_top_level = wrap_top_level
@@ -671,7 +953,7 @@ class NoFeedback:
     def compile(self, source, filename):
         import ast
 
-        tree = ast.parse(source)
+        tree = whole_expressions(ast.parse(source), self.wrap_top_level)
         self.visit(tree, self.wrap_top_level)
         return compile(ast.fix_missing_locations(tree), filename, "exec")
 
@@ -699,7 +981,7 @@ def judge_calls(job, secret_fd, status_fd):
     functions = set(loaded["functions"])
     program = Runner(pid, to_runner_w, from_runner_r, limit, job["case_timeout"])
     failures = []
-    namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
+    namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures, WHOLE: WholeEvaluation()}
     if job["mode"] == "humaneval":
         entry = job["entry_point"]
         if entry not in functions:
@@ -709,7 +991,7 @@ def judge_calls(job, secret_fd, status_fd):
                 exec(compile(source, "prompt.py", "exec"), namespace)
                 break
             except Exception:
-                namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures}
+                namespace = {"__name__": "__test__", "__builtins__": builtins, FAILURES: failures, WHOLE: WholeEvaluation()}
         loads, stored, _, bases = names_in_order([secret["test"]])
         real_modules((set(loads) - stored) & bases, namespace)
         candidate = namespace[entry] = proxy(entry, program)
@@ -765,6 +1047,7 @@ def judge_stdio(job, secret_fd, status_fd):
                 stdin=subprocess.PIPE,
                 stdout=out,
                 stderr=subprocess.DEVNULL,
+                env=dict(os.environ, HOME=job["work"], TMPDIR=job["work"]),
                 preexec_fn=lambda: become_runner(job),
             )
             left = deadline - time.monotonic()
@@ -814,16 +1097,19 @@ def check_import_path(job):
 def main():
     import resource
 
-    status_fd, job_fd, secret_fd, go_fd = map(int, sys.argv[1:5])
+    status_fd, job_fd, secret_fd, go_fd, life_fd = map(int, sys.argv[1:6])
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
     with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
         job = json.loads(f.read())
     if os.read(go_fd, 1) != b"1":  # the trainer has moved us into the run's cgroups: fork only after that
         os._exit(3)
     os.close(go_fd)
+    libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # stage 0 (not inherited by its children)
     if job["sandbox"] != "fallback":
-        enter_namespaces(job)
+        enter_namespaces(job, life_fd)
         build_view(job)
+    else:
+        start_judge(life_fd)
     for name, value in (("RLIMIT_NOFILE", job["nofile"]), ("RLIMIT_CORE", 0), ("RLIMIT_AS", job["memory"])):
         resource.setrlimit(getattr(resource, name), (value, value))
     sys.path.extend(job["site"])

@@ -1110,15 +1110,15 @@ def math_rewards_batch(
 
 
 def check_code_sandbox() -> None:
-    """Before anything slow: UserError (one line) if code runs could not have their memory, process and CPU
-    limits here and the user did not opt in to per-process limits only."""
+    """Before anything slow: UserError (one line) if code runs could not have their memory, process, CPU and
+    disk-read limits here and the user did not opt in to running without them."""
     try:
         sandbox.preflight()
     except sandbox.CgroupsUnavailable as exc:
         raise UserError(
-            f"code sandbox: {exc}: runs would have no memory, process or CPU limit of their own; delegate a cgroup v2 "
-            f"subtree (VERIFIERS_CGROUP) or run as root, or set {sandbox.ALLOW_NO_CGROUP_ENV}=1 to accept "
-            "per-process limits only (docs/verifiers.md)"
+            f"code sandbox: {exc}: runs would lack a memory, process, CPU or disk-read limit of their own; delegate a "
+            f"cgroup v2 subtree with memory, pids, cpu and io (VERIFIERS_CGROUP) or run as root, or set "
+            f"{sandbox.ALLOW_NO_CGROUP_ENV}=1 to accept that (docs/verifiers.md)"
         ) from None
 
 

@@ -483,7 +483,8 @@ def test_non_root_trainer_gets_the_namespace_sandbox():
         program = (
             "import os, socket\n" + checks + "try:\n    socket.socket(socket.AF_UNIX)\n    READABLE.append('AF_UNIX')\n"
             "except OSError:\n    pass\n"
-            "READABLE += os.listdir('/tmp') + (os.listdir('/run') if os.path.isdir('/run') else [])\n"
+            "READABLE += os.listdir('/tmp') + [n for n in (os.listdir('/run') if os.path.isdir('/run') else [])\n"
+            "                                 if n != 'verifiers-judge']  # the judge's HOME: empty, read-only\n"
             "for attempt in (lambda: os.readlink('/proc/1/fd/1'), lambda: open('/proc/1/mem', 'rb').read(1),\n"
             "                lambda: open('/proc/1/environ', 'rb').read(1)):  # the judge, pid 1, same host uid\n"
             "    try:\n        attempt()\n        READABLE.append('judge')\n    except OSError:\n        pass\n"
