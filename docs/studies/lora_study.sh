@@ -9,14 +9,18 @@
 # Two stages, each run under the CPU lock one after the other (about 6-7 min a run on the 2 idle cores):
 #   STAGE=sweep  the learning rates, on seed 4 (not a study seed): full at 3e-6, 1e-5 (the default) and 3e-5, LoRA r8
 #                at 3e-5, 1e-4, 3e-4 and 1e-3 (a factor-3 grid around 10x the full rate, extended until the best rate
-#                of each arm had a neighbour on both sides). Chosen: the rate with the highest
-#                mean training reward over the last 4 steps (held-out accuracy is what the study reports, so it
-#                does not choose); written to docs/studies/lora_lr.md. Ranks 1 and 64 take r8's rate (with alpha
-#                fixed, PEFT's alpha / r scale keeps the best rate nearly independent of the rank: the post's finding).
-#   STAGE=study  4 arms x 3 seeds at the chosen rates (LR_FULL, LR_LORA); tables in docs/studies/lora.md.
+#                of each arm had a neighbour on both sides), then ranks 1 and 64 at r8's best rate and its two
+#                neighbours (1e-4, 3e-4, 1e-3). Chosen: the rate with the highest mean training reward over the last
+#                4 steps (held-out accuracy is what the study reports, so it does not choose); written to
+#                docs/studies/lora_lr.md. Ranks 8 and 64 chose 3e-4 (LR_LORA), rank 1 1e-4 (LR_R1; at the grid's
+#                edge: 3e-5 was not run for rank 1, where rank 8 reached 0.13).
+#   STAGE=study  5 arms x 3 seeds: full at LR_FULL, ranks 8 and 64 at LR_LORA, rank 1 at LR_LORA (arm r1: rank 8's
+#                rate, run before rank 1 had a sweep of its own) and at LR_R1 (arm r1lr1e-4); tables in
+#                docs/studies/lora.md.
 #
-# Usage (from anywhere): bash docs/studies/lora_study.sh            (both stages: 7 + 12 runs, about 2 hours)
-#   STAGE=sweep|study  PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full r1 r8 r64"  LR_FULL=1e-5  LR_LORA=3e-4
+# Usage (from anywhere): bash docs/studies/lora_study.sh            (both stages: 13 + 15 runs, about 2.5 hours)
+#   STAGE=sweep|study  PYTHON=/path/to/python  SEEDS="1 2 3"  ARMS="full r1 r1lr1e-4 r8 r64"
+#   LR_FULL=1e-5  LR_LORA=3e-4  LR_R1=1e-4
 #   OUT=runs/study_lora  STEPS=12 (a shorter study: fewer steps, say so)
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. The final model
 # folders of each run are deleted after it (KEEP_MODELS=1 keeps them).
@@ -29,6 +33,7 @@ LOCK=${LOCK:-/tmp/cpu.lock}
 STEPS=${STEPS:-12}
 LR_FULL=${LR_FULL:-1e-5}  # chosen by the sweep: the default
 LR_LORA=${LR_LORA:-3e-4}  # chosen by the sweep (docs/studies/lora_lr.md)
+LR_R1=${LR_R1:-1e-4}  # rank 1's own, chosen by the sweep
 DOCS=docs/studies
 PLOTS=$DOCS/plots
 
@@ -46,6 +51,9 @@ run() {  # name, flags...: one run of grpo.py under the lock, skipped when done
 if [ "$STAGE" = sweep ] || [ "$STAGE" = all ]; then
   for lr in 3e-6 1e-5 3e-5; do run "sweep_full_lr$lr" --seed 4 --learning-rate "$lr"; done
   for lr in 3e-5 1e-4 3e-4 1e-3; do run "sweep_r8_lr$lr" --seed 4 --lora-rank 8 --learning-rate "$lr"; done
+  for rank in 1 64; do
+    for lr in 1e-4 3e-4 1e-3; do run "sweep_r${rank}_lr$lr" --seed 4 --lora-rank "$rank" --learning-rate "$lr"; done
+  done
   mkdir -p "$DOCS"
   "$PYTHON" - "$OUT" > "$DOCS/lora_lr.md" <<'PY'
 import json, os, sys
@@ -76,11 +84,12 @@ if [ "$STAGE" = study ] || [ "$STAGE" = all ]; then
   declare -A ARM=(
     [full]="--learning-rate $LR_FULL"
     [r1]="--lora-rank 1 --learning-rate $LR_LORA"
+    [r1lr1e-4]="--lora-rank 1 --learning-rate $LR_R1"
     [r8]="--lora-rank 8 --learning-rate $LR_LORA"
     [r64]="--lora-rank 64 --learning-rate $LR_LORA"
   )
   for seed in ${SEEDS:-1 2 3}; do
-    for arm in ${ARMS:-full r1 r8 r64}; do
+    for arm in ${ARMS:-full r1 r1lr1e-4 r8 r64}; do
       # shellcheck disable=SC2086  # word splitting of the flag strings is intended
       run "study_${arm}_s$seed" ${ARM[$arm]} --seed "$seed"
     done
