@@ -34,18 +34,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CONFIGS = {  # config.json of Qwen/Qwen2.5-7B, the fields that set the shapes
+import memory_plan  # noqa: E402 - bench/memory_plan.py: the shapes of the recipes' models
+
+CONFIGS = {  # config.json of Qwen/Qwen2.5-7B: memory_plan's shape fields, and the fields a model needs beside them
     "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
+        memory_plan.SHAPES["qwen2.5-7b"], max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6
     ),
     "tiny": dict(
         hidden_size=64,
