@@ -45,32 +45,11 @@ import grpo  # noqa: E402
 import infra  # noqa: E402
 from tests import references  # noqa: E402
 
-# Published configs (config.json of the hub repos), only the fields that set the shapes.
+# Published configs (config.json of the hub repos): memory_plan's shape fields, and the fields a model needs beside them.
+QWEN25_EXTRA = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
 CONFIGS = {
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
+    "qwen2.5-0.5b": dict(memory_plan.SHAPES["qwen2.5-0.5b"], **QWEN25_EXTRA),
+    "qwen2.5-1.5b": dict(memory_plan.SHAPES["qwen2.5-1.5b"], **QWEN25_EXTRA),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
