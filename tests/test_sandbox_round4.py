@@ -231,16 +231,31 @@ def test_attack_another_trainers_sweep_leaves_this_trainers_slots():
 # 3. I/O a run cannot be killed out of
 # ---------------------------------------------------------------------------------------------
 
+
+def _largest_library() -> str:
+    """The largest shared library of this interpreter and its environment (torch's, in a venv): the file the
+    flood reads. Found here, once, not by the program under test: a walk of a fresh venv with a cold page cache
+    can outlast that program's 1 s deadline before it reports what was refused."""
+    paths = (
+        os.path.join(folder, name)
+        for top in dict.fromkeys((sys.base_prefix, sys.prefix))
+        for folder, _, names in os.walk(top)
+        for name in names
+        if name.endswith(".so")
+    )
+    return max(paths, key=lambda p: os.path.getsize(p) if os.path.isfile(p) else 0)
+
+
 # Legacy AIO with O_DIRECT reads of a big file the program can read, never reaped: at its deadline a killed
 # process waits, uninterruptibly, for every read in flight. Without AIO: openat2 and fcntl(F_SETFL, O_DIRECT).
-AIO_FLOOD = r"""
+AIO_FLOOD = (
+    f"BIG = {_largest_library()!r}\n"
+    + r"""
 import ctypes, mmap, os, random, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 def syscall(nr, *args):
     return 0 if libc.syscall(nr, *args) >= 0 else ctypes.get_errno()
-BIG = max((os.path.join(folder, name) for top in (sys.base_prefix, sys.prefix) for folder, _, names in os.walk(top)
-           for name in names if name.endswith(".so")), key=lambda p: os.path.getsize(p) if os.path.isfile(p) else 0)
 R, size, n = {}, 1 << 20, 256
 end = max(1, os.path.getsize(BIG) // size - 1)
 ctx = ctypes.c_ulong(0)
@@ -271,6 +286,7 @@ if R["io_setup"] == 0:
         libc.syscall(209, ctx, n, ptrs)  # io_submit (EAGAIN once the ring is full)
         libc.syscall(208, ctx, 0, n, events, None)  # io_getevents, min 0
 """
+)
 
 
 @pytest.mark.parametrize("mode", MODES)
