@@ -45,11 +45,9 @@ import grpo  # noqa: E402
 import infra  # noqa: E402
 from tests import references  # noqa: E402
 
-# Published configs (config.json of the hub repos): memory_plan's shape fields, and the fields a model needs beside them.
-QWEN25_EXTRA = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
-CONFIGS = {
-    "qwen2.5-0.5b": dict(memory_plan.SHAPES["qwen2.5-0.5b"], **QWEN25_EXTRA),
-    "qwen2.5-1.5b": dict(memory_plan.SHAPES["qwen2.5-1.5b"], **QWEN25_EXTRA),
+CONFIGS = {  # published configs (config.json of the hub repos): memory_plan's shape fields, and the rest a model needs
+    "qwen2.5-0.5b": dict(memory_plan.SHAPES["qwen2.5-0.5b"], **memory_plan.QWEN25_REST),
+    "qwen2.5-1.5b": dict(memory_plan.SHAPES["qwen2.5-1.5b"], **memory_plan.QWEN25_REST),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,

@@ -36,10 +36,8 @@ sys.path.insert(0, ROOT)
 
 import memory_plan  # noqa: E402 - bench/memory_plan.py: the shapes of the recipes' models
 
-CONFIGS = {  # config.json of Qwen/Qwen2.5-7B: memory_plan's shape fields, and the fields a model needs beside them
-    "qwen2.5-7b": dict(
-        memory_plan.SHAPES["qwen2.5-7b"], max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6
-    ),
+CONFIGS = {  # config.json of Qwen/Qwen2.5-7B-Instruct: memory_plan's shape fields, and the rest a model needs
+    "qwen2.5-7b": dict(memory_plan.SHAPES["qwen2.5-7b"], **memory_plan.QWEN25_REST),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,

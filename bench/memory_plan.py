@@ -39,6 +39,9 @@ SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
+# the fields of the same config.json files (the -Instruct models the recipes name) a model needs beside its shape:
+# the same for the three sizes
+QWEN25_REST = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
 
 
 def dims(cfg: dict) -> tuple[int, int, int, int, int, int, int]:
