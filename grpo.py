@@ -10,7 +10,7 @@ What it does, end to end:
         l_it = max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high)),  r_it = pi(o_it)/pi_old(o_it)
      aggregated token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO),
      plus optional beta * KL_k3(pi || pi_ref).
-  DAPO's other two parts and the equal-reward mask are flags of infra.Args, each off by default (docs/dapo.md):
+  DAPO's other two parts and the equal-reward mask are flags of run.Args, each off by default (docs/dapo.md):
   --dynamic-sampling, --overlong-buffer / --overlong-penalty, --truncated mask, --zero-variance mask.
 
 Run:
@@ -31,13 +31,15 @@ import torch
 from tqdm.auto import tqdm
 
 import common
-import infra
+import models
+import outputs
+import run
 import verifiers
-from infra import arg
+from run import arg
 
 
 @dataclass
-class Args(infra.Args):  # the common flags (infra.Args), then this method's own
+class Args(run.Args):  # the common flags (run.Args), then this method's own
     exp_name: str = arg(os.path.splitext(os.path.basename(__file__))[0], "experiment name (method); runs are grouped by it")
     # GRPO specific arguments
     clip_low: float = arg(0.2, "eps_low: lower clip bound 1 - eps_low")
@@ -120,68 +122,25 @@ def compute_policy_loss(
 
 def main(args: Args) -> None:
     # TRY NOT TO MODIFY: run dir, logging, seeding, model, engine, data
-    world, device = infra.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
-    # checkpoint (HF folder + trainer state) read and checked before the model loads
-    resume = infra.find_resume(args.resume, None if args.eval_only else args.total_steps) if args.resume else None
-    run_dir = resume.run_dir if resume else infra.make_run_dir(args.output_dir, args.run_name, args.exp_name, args.seed)
+    world, device = run.setup(args)  # checks, torchrun process group (world size 1: none), threads, seeds
+    resume = outputs.resume_of(args)  # --resume: the checkpoint, read and checked before the model loads; else None
+    run_dir = resume.run_dir if resume else outputs.make_run_dir(args)
     model_path = resume.model_dir if resume else args.model  # a LoRA checkpoint's: its base (adapters: lora)
-    lora = infra.lora_settings(args, resume)  # --lora-rank > 0: adapters on the frozen base; None: full fine-tuning
-    # the tasks: data and scoring, gold answers checked (verifiers.py)
-    q_field, a_field = args.question_field or None, args.answer_field or None
-    task_args = dict(question_field=q_field, answer_field=a_field, reward=args.reward, answer_format=args.answer_format)
-    train_task = None if args.eval_only else verifiers.load_task(args.dataset, "train", args.seed, **task_args)
-    eval_tasks = verifiers.load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **task_args)
-    tokenizer = infra.load_tokenizer(model_path)
+    lora = models.lora_settings(args, resume)  # --lora-rank > 0: adapters on the frozen base; None: full fine-tuning
+    train_task, eval_tasks = verifiers.load_tasks(args)  # data and scoring, gold answers checked (None: --eval-only)
+    tokenizer = models.load_tokenizer(model_path)
     eval_prompts = [
         [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
         for t in eval_tasks
     ]  # one list of prompts per eval set
-    # every prompt against the model's context, before the weights load: a training prompt that does not fit is
-    # dropped (one line says how many), an evaluation prompt stops the run; the engine's context is the longest
-    # prompt kept plus --max-new-tokens
-    train_task, max_model_len = infra.fit_context(
-        model_path,
-        tokenizer,
-        train_task,
-        eval_prompts,
-        system_prompt=args.system_prompt,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        long_prompts=args.long_prompts,
-        max_position_embeddings=args.max_position_embeddings,
-    )
-    # torchrun: FSDP2-sharded over the ranks (each decoder layer, then the root); world size 1: unchanged
-    context = dict(max_position_embeddings=args.max_position_embeddings)  # 0: the model's own context
-    model = infra.shard_model(
-        infra.load_model(
-            model_path,
-            device,
-            args.gradient_checkpointing,
-            compute_dtype=args.dtype,
-            compile=args.compile,
-            lora=lora,
-            **context,
-        )
-    )
+    # every prompt against the model's context, before the weights load (a training prompt too long: dropped)
+    train_task, max_model_len = models.fit_context(args, model_path, tokenizer, train_task, eval_prompts)
+    model = models.load_policy(args, model_path, device, lora)  # fp32 master weights; torchrun: FSDP2-sharded
     # --beta: the frozen initial model (a LoRA run's: the policy itself with its adapters off, no second copy)
-    ref_model = infra.reference_model(model, args.model, device, args.dtype, **context) if args.beta > 0 else None
-    optimizer, scheduler = infra.make_optimizer(model, args.learning_rate, args.weight_decay, args.warmup_updates)
-    model_metrics = infra.lora_metrics(model)  # LoRA: perf/trainable_params, perf/trainable_frac; else none
-    engine = infra.make_engine(
-        args.engine,
-        model,
-        tokenizer,
-        model_path=model_path,
-        max_model_len=max_model_len,
-        seed=args.seed,
-        gen_batch_size=args.gen_batch_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        return_logps=args.rollout_is != "none",  # a correction needs the engine's log-probs
-        dtype=args.dtype,
-        engine_dtype=args.engine_dtype,
-        vllm_sleep_level=args.vllm_sleep_level,
-        **context,
-    )
+    ref_model = models.reference_model(args, model, device) if args.beta > 0 else None
+    optimizer, scheduler = models.make_optimizer(model, args)
+    model_metrics = models.lora_metrics(model)  # LoRA: perf/trainable_params, perf/trainable_frac; else none
+    engine = models.make_engine(args, model, tokenizer, model_path, max_model_len)  # vLLM or the HF engine
     scaler = torch.amp.GradScaler(device.type, enabled=args.dtype == "fp16")  # fp16: dynamic loss scaling; else none
     timers = common.Timers(["rollout", "reward", "train", "wake", "sleep", "eval"])
     G, P = args.num_generations, args.prompts_per_step
@@ -189,35 +148,21 @@ def main(args: Args) -> None:
     start_step, update, wall_offset, eval_before = 0, 0, 0.0, None
     sampler = common.PromptSampler(len(train_task.problems), args.seed) if train_task else None
     if resume:
-        state = infra.load_trainer_state(resume.state, optimizer, scheduler, model)
+        state = outputs.load_trainer_state(resume.state, optimizer, scheduler, model)
         sampler.load_state_dict(state["sampler"])
         start_step, update, wall_offset, eval_before = state["step"], state["update"], state["wall_s"], state["eval_before"]
         timers.total.update(state["timers"])
         if state.get("grad_scaler"):  # fp16: the loss scale
             scaler.load_state_dict(state["grad_scaler"])
         common.CONSOLE.info(f"resumed {run_dir} from {resume.model_dir} (step {start_step})")
-    logger = infra.open_run_logger(run_dir, args, start_step if resume else None, args.track, args.wandb_project)
-    if not args.eval_only:  # one line: a checkpoint's size, the disk the run needs and what is free (too little: stop)
-        infra.plan_checkpoints(run_dir, model, args.save_every, args.keep_last, args.total_steps)
+    logger = outputs.open_run_logger(args, run_dir, start_step if resume else None)
+    outputs.plan_checkpoints(args, run_dir, model)  # one line: a checkpoint's size, the disk needed and free
     t_start = time.time() - wall_offset
 
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model, version=update)  # a push only if the weights changed since the last one
-            metrics, per_set = infra.evaluate_sets(
-                engine,
-                eval_tasks,
-                eval_prompts,
-                args.eval_samples,
-                args.eval_temperature,
-                args.max_new_tokens,
-                args.eval_k,
-                seed=infra.eval_seed(args.seed),
-            )
-        logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
-        infra.write_eval(logger, step, per_set)
-        common.CONSOLE.info(infra.eval_console_line(step, args.total_steps, metrics))
-        return metrics
+            return outputs.run_evaluation(args, engine, eval_tasks, eval_prompts, logger, step, update, t_start)
 
     def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
         """Round k of a step: P prompts, G rollouts each, their rewards (k > 0: dynamic sampling's later rounds)."""
@@ -237,14 +182,8 @@ def main(args: Args) -> None:
         return problem_idx, rollout, rewards
 
     if args.eval_only:
-        metrics = run_eval(0)
-        infra.print_summary(
-            f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}",
-            None,
-            metrics,
-            timers.total,
-            time.time() - t_start,
-        )
+        title = f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}"
+        outputs.print_summary(title, None, run_eval(0), timers.total, time.time() - t_start)
         logger.close()
         return
     if start_step == 0:
@@ -410,12 +349,13 @@ def main(args: Args) -> None:
             )
         )
         if args.log_rollouts_every and step % args.log_rollouts_every == 0:
-            infra.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
+            outputs.write_rollouts(logger, step, tokenizer, rollout, row_problems, rewards, advantages, G)
         bar.update(1)
         if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             eval_after = run_eval(step)
         if args.save_every and (step % args.save_every == 0 or step == args.total_steps):
-            infra.save_checkpoint(
+            outputs.save_checkpoint(
+                args,
                 run_dir,
                 step,
                 model,
@@ -430,12 +370,11 @@ def main(args: Args) -> None:
                     "grad_scaler": scaler.state_dict(),
                     "timers": dict(timers.total),
                 },
-                keep_last=args.keep_last,
             )
     bar.close()
-    final_dir = infra.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
+    final_dir = outputs.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    infra.print_summary(
+    outputs.print_summary(
         f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
         eval_before,
         eval_after,
@@ -447,4 +386,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    infra.run_cli(main, Args)
+    run.command_line(main, Args)

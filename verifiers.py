@@ -4,10 +4,10 @@ A wrong reward is a corrupted gradient and a reward that can be gamed will be ga
 strict, bounded in time and never runs model code in the calling process.
 
 Part 1, tasks (what a training step uses, in that order):
-- `load_task(name, split, ...)` and `load_eval_tasks(...)` -> `Task`: the problems (question and gold answer, or
-  code tests), the reward kind (arith, math, code, or the user's `module:function`) and the instruction appended
-  to each question. A task is the built-in `arith`, a name of `HUB_DATASETS`, a hub id or a local
-  .jsonl/.json/.parquet file.
+- `load_tasks(args)` (a run's, from its flags): `load_task(name, split, ...)` and `load_eval_tasks(...)` -> `Task`:
+  the problems (question and gold answer, or code tests), the reward kind (arith, math, code, or the user's
+  `module:function`) and the instruction appended to each question. A task is the built-in `arith`, a name of
+  `HUB_DATASETS`, a hub id or a local .jsonl/.json/.parquet file.
 - `compute_rewards(task, problems, completions)` -> one float per completion, the dispatch to Part 2. A code
   sandbox that cannot start is retried once and then stops the run; a custom reward that raises or returns no
   finite number stops it too: no reward is invented.
@@ -23,8 +23,8 @@ Part 2, rewards:
 - `extract_boxed`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers `math_rewards_batch` /
   `code_rewards_batch` (concurrent, order preserving).
 
-`UserError` and `RunError` live here, the lowest layer that raises them; common.py, engines.py, infra.py and the scripts
-import them from here (verifiers.UserError, verifiers.RunError).
+`UserError` and `RunError` live here, the lowest layer that raises them; common.py, engines.py, the run's rooms
+(run.py, models.py, outputs.py) and the scripts import them from here (verifiers.UserError, verifiers.RunError).
 """
 
 from __future__ import annotations
@@ -198,6 +198,16 @@ def load_eval_tasks(
             task.problems, task.where = task.problems[:limit], task.where[:limit]
         tasks.append(task)
     return tasks
+
+
+def load_tasks(args) -> tuple[Task | None, list[Task]]:
+    """A run's tasks from its flags: (the training task of --dataset, None with --eval-only; the evaluation sets of
+    --eval-dataset, cut to --eval-limit), with --question-field, --answer-field, --reward and --answer-format."""
+    fields = dict(question_field=args.question_field or None, answer_field=args.answer_field or None)
+    scoring = dict(reward=args.reward, answer_format=args.answer_format)
+    train = None if args.eval_only else load_task(args.dataset, "train", args.seed, **fields, **scoring)
+    evals = load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **fields, **scoring)
+    return train, evals
 
 
 def eval_set_label(name: str) -> str:
@@ -880,9 +890,9 @@ def _gold_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-# The math worker (math_worker.py), read once here: a worker runs this copy with `python -I -S -c` and never reads
+# The math worker (sandbox/math_worker.py), read once here: a worker runs this copy with `python -I -S -c` and never reads
 # the file from disk (which a sandboxed program could have rewritten where writes are not stopped).
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py"), encoding="utf-8") as _f:
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox", "math_worker.py"), encoding="utf-8") as _f:
     _MATH_WORKER_SRC = _f.read()
 del _f
 
@@ -1140,7 +1150,7 @@ def _string(value, what: str, default: str | None = None) -> str:
     return value
 
 
-def _code_job(completion: str, problem: dict) -> dict | None:
+def code_job(completion: str, problem: dict) -> dict | None:
     """The sandbox job for a completion and a problem; None if there is no code at all. ValueError
     for a malformed problem (checked before the completion is looked at). `secret` holds what the
     judge needs and the program must never see: the tests, the expected outputs, the prompt."""
@@ -1191,7 +1201,7 @@ def _check_timeout(timeout) -> float:
 def code_verdict(completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S, mode: str | None = None) -> SandboxResult:
     """`code_reward` with the details: status, sandbox mode, elapsed time, stderr tail."""
     timeout = _check_timeout(timeout)
-    job = _code_job(completion if isinstance(completion, str) else "", problem)
+    job = code_job(completion if isinstance(completion, str) else "", problem)
     if job is None:
         return SandboxResult("failed", mode or "none", 0.0, "no code")
     try:

@@ -1,6 +1,6 @@
 """How much of a small AdamW update survives: bf16 weights vs fp32 master weights with bf16 autocast vs fp32.
 
-The tiny test model (Llama init, std 0.02), 10 fused-AdamW steps (infra.make_optimizer) on one fixed GRPO-like
+The tiny test model (Llama init, std 0.02), 10 fused-AdamW steps (models.make_optimizer) on one fixed GRPO-like
 loss through common.completion_logps, at lr 1e-6 and 1e-5; reports the share of the decoder's linear weights that
 changed and their mean |dw|, plus the share that changed in the bf16 copy of the fp32 master (what a bf16 rollout
 engine receives). Same helpers as tests/test_precision.py (docs/precision.md).
@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import infra  # noqa: E402
+import models  # noqa: E402
 from tests import test_precision as tp  # noqa: E402
 from tests import tiny as tiny_mod  # noqa: E402
 
@@ -35,10 +35,10 @@ def main():
     print("| lr | path | weights changed | mean abs dw |")
     print("|---|---|---|---|")
     for lr in (1e-6, 1e-5):
-        old = infra.load_model(path, device, compute_dtype=None).to(torch.bfloat16)
+        old = models.load_model(path, device, compute_dtype=None).to(torch.bfloat16)
         init = {k: v.detach().clone() for k, v in old.named_parameters()}
-        new = infra.load_model(path, device, compute_dtype=torch.bfloat16)
-        ref = infra.load_model(path, device, compute_dtype=None)
+        new = models.load_model(path, device, compute_dtype=torch.bfloat16)
+        ref = models.load_model(path, device, compute_dtype=None)
         for m in (new, ref):
             m.load_state_dict({k: v.float() for k, v in init.items()}, strict=False)
         for m in (old, new, ref):

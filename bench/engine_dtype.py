@@ -24,7 +24,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 from tests import references  # noqa: E402
 
@@ -44,10 +45,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    infra.set_cpu_threads()
+    run.set_cpu_threads()
     cpu = torch.device("cpu")
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, cpu)
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, cpu)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in task.problems[: a.prompts]]
     print(
@@ -73,17 +74,13 @@ def main() -> None:
     # 2. generation, fp32 weights against the bf16 copy, and the copy's log-probs against the trainer's
     references.full_length_rows()
     engines = {
-        dtype: infra.make_engine(
-            "hf",
+        dtype: models.make_engine(
+            run.Args(engine="hf", seed=0, gen_batch_size=64, gpu_memory_utilization=0.3, engine_dtype=dtype),
             model,
             tokenizer,
-            model_path=infra.EMBEDDED_MODEL,
-            max_model_len=2048,
-            seed=0,
-            gen_batch_size=64,
-            gpu_memory_utilization=0.3,
-            return_logps=True,
-            engine_dtype=dtype,
+            models.EMBEDDED_MODEL,
+            2048,
+            engine_logps=True,
         )
         for dtype in ("auto", "bf16")
     }

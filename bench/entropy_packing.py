@@ -30,14 +30,14 @@ import verifiers  # noqa: E402
 
 try:  # a checkout before common.py was split in three holds everything in common.py
     import engines
-    import infra
+    import models
 except ImportError:
     engines = infra = common
 
 batch_of = getattr(common, "token_batch_of", None) or common.rows_batch  # the older name
 torch.manual_seed(1)
-tok = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+tok = models.load_tokenizer(models.EMBEDDED_MODEL)
+model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
 task = verifiers.load_task("arith", "train", 1)
 prompts = [common.format_prompt(tok, q["question"], task.instruction) for q in task.problems[: o.prompts]]
 rollout = engines.HFEngine(model, tok).generate(prompts, o.G, o.max_new_tokens, 1.0, progress=False)

@@ -23,7 +23,7 @@ Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gp
   step-0.5b       the training step without checkpointing: tokens/s, MFU, peak memory against bench/memory_plan.py
   packed-0.5b     rows in groups of 8 sharing a 128-token prompt: packed (the cost rule) against padded
   step-1.5b       without checkpointing, then step-1.5b-ckpt with it
-  compile-1.5b    --compile (infra.compile_model), last: its compile time is the least certain part
+  compile-1.5b    --compile (models.compile_model), last: its compile time is the least certain part
 Before each step the free disk is checked (too little: the step is skipped, one line says why); after it its run
 folders are deleted and OUT/summary.md and OUT/results.json rewritten, so a check cut short still reports every
 step it finished. OUT: $OUT, else runs/gpu_check. Steps past --budget-s are skipped, not started.
@@ -72,9 +72,9 @@ SPEED_KEYS = (
 def export_assets(folder: str) -> None:
     """The embedded model's tokenizer files (tokenizer.json, its config, the chat template): what the device needs."""
     sys.path.insert(0, ROOT)
-    import infra
+    import models
 
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
     tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
     print(f"wrote {folder}/tokenizer ({size / 2**20:.1f} MiB)")
@@ -235,10 +235,10 @@ def run_script(method: str, argv: list[str]) -> None:
     """`python <method>.py argv` in this process (imports and the CUDA context are paid once for all)."""
     import importlib
 
-    import infra
+    import run
 
     mod = importlib.import_module(method)
-    mod.main(infra.parse_args(mod.Args, argv))
+    mod.main(run.parse_args(mod.Args, argv))
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ What runs is the code path of every method script:
 - generation: `engines.HFEngine` (its sampling loop over the model's forward, batched, KV cache);
 - training: `common.micro_batches` + `common.completion_logps` (chunked, checkpointed LM head) +
   `grpo.compute_policy_loss` (token-mean, clip 0.2) + backward;
-- the optimizer: `infra.make_optimizer` (fused AdamW) + grad clipping.
+- the optimizer: `models.make_optimizer` (fused AdamW) + grad clipping.
 
 MFU = model FLOPs of the forward+backward / (time x peak bf16 dense FLOP/s of the device). Model FLOPs per
 training token: 6 x (parameters of all linear layers of the decoder) + 6 x n_layers x d_attn x L
@@ -42,7 +42,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import engines  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 from tests import references  # noqa: E402
 
 CONFIGS = {  # published configs (config.json of the hub repos): memory_plan's shape fields, and the rest a model needs
@@ -97,7 +98,7 @@ def build_model(name: str, model_path: str, device: torch.device, dtype: torch.d
 
     if model_path:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
-        tokenizer = infra.load_tokenizer(model_path)
+        tokenizer = models.load_tokenizer(model_path)
     else:
         config = Qwen2Config(**CONFIGS[name], use_cache=False)
         torch.manual_seed(0)
@@ -182,7 +183,7 @@ def training_figures(model, tokenizer, a, peak_tflops: float | None, packed: boo
     completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
     batch = references.rollout_from_rows(prompt_ids, completion_ids)
     advantages = torch.randn(rows, generator=gen)
-    optimizer, _ = infra.make_optimizer(model, 1e-6, 0.0, 1)
+    optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-6, weight_decay=0.0, warmup_updates=1))
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -241,8 +242,8 @@ def training_figures(model, tokenizer, a, peak_tflops: float | None, packed: boo
 
 
 def run_config(name: str, a, device: torch.device, peak_tflops: float | None) -> dict:
-    # the method scripts' precision (infra.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
-    dtype, autocast_dtype = infra.model_dtypes(device)
+    # the method scripts' precision (models.model_dtypes): fp32 master weights, bf16 autocast compute on CUDA
+    dtype, autocast_dtype = models.model_dtypes(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -263,7 +264,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
         prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(a.gen_prompts)]
         out |= generation_figures(model, tokenizer, prompts, a.num_generations, a.gen_tokens, a.engines, a.gen_batch_size)
     if a.compile:
-        infra.compile_model(model)
+        models.compile_model(model)
     if a.train_rows:
         for packed in (False, True) if a.compare_packing else (True,):
             figures = training_figures(model, tokenizer, a, peak_tflops, packed)
@@ -294,7 +295,7 @@ def main():
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--logp-chunk-tokens", type=int, default=4096)
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true", help="infra.compile_model: what --compile does in the scripts")
+    p.add_argument("--compile", action="store_true", help="models.compile_model: what --compile does in the scripts")
     p.add_argument("--group-size", type=int, default=1, help="training rows sharing one prompt (8: a GRPO group)")
     p.add_argument("--compare-packing", action="store_true", help="time the step padded too (padded_* keys)")
     p.add_argument("--repeats", type=int, default=3)

@@ -1,6 +1,6 @@
 """Peak memory and time of one training forward+backward with and without --gradient-checkpointing.
 
-The embedded model (SmolLM2-135M, 30 decoder layers) on CPU, loaded by infra.load_model exactly as the
+The embedded model (SmolLM2-135M, 30 decoder layers) on CPU, loaded by models.load_model exactly as the
 scripts load it; rows of random token ids (prompt + completion, every completion token real) go through
 common.completion_logps and grpo.compute_policy_loss, then backward. Modes, each in a fresh subprocess:
   off   --gradient-checkpointing not set;
@@ -34,14 +34,15 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import torch
 import transformers.modeling_utils as mu
 import common, grpo
-import infra
+import models
+import run
 from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss
 mode, rows, prompt_len, completion_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-infra.set_cpu_threads()
+run.set_cpu_threads()
 calls = []
 real = mu.checkpoint
 mu.checkpoint = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"), gradient_checkpointing=mode != "off")
+model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"), gradient_checkpointing=mode != "off")
 if mode == "eval":
     model.eval()
 forwards = []

@@ -3,10 +3,10 @@
 The device machine has no network, so the model is Qwen2.5-7B's published shape (below) with random weights: time
 and memory of a step do not depend on the values. Each arm runs in its own process (a clean peak, and an out-of-memory
 that stops one arm only), through the code every method script runs:
-- the model: `infra.model_dtypes` + `infra.add_lora` (LoRA: the base frozen in bf16, fp32 adapters on every linear
+- the model: `models.model_dtypes` + `models.add_lora` (LoRA: the base frozen in bf16, fp32 adapters on every linear
   layer of the decoder; full: fp32 master weights), bf16 autocast, `--gradient-checkpointing`;
 - the step: `common.micro_batches` + `common.completion_logps` + `grpo.compute_policy_loss` + backward, then
-  `common.clip_grad_norm` and `infra.make_optimizer`'s fused AdamW (its state made at the first step, as in a run).
+  `common.clip_grad_norm` and `models.make_optimizer`'s fused AdamW (its state made at the first step, as in a run).
 Rows of `--prompt-len` + `--completion-len` random tokens; the first step warms up, the next `--repeats` are timed.
 
     python bench/lora_step.py                                   # on a GPU: full, then LoRA r1, r16, r64 at 7B
@@ -60,12 +60,13 @@ def one_arm(a) -> dict:
 
     import common
     import grpo
-    import infra
+    import models
+    import run
     from tests import references
 
     device = torch.device(a.device)
-    lora = infra.LoRA(a.rank, 32.0, ("all-linear",), "random", seed=1) if a.rank else None
-    dtype, autocast_dtype = infra.model_dtypes(device, trainable=lora is None)  # LoRA: the base in the compute dtype
+    lora = models.LoRA(a.rank, 32.0, ("all-linear",), "random", seed=1) if a.rank else None
+    dtype, autocast_dtype = models.model_dtypes(device, trainable=lora is None)  # LoRA: the base in the compute dtype
     config = Qwen2Config(**CONFIGS[a.config], use_cache=False)
     out = {"arm": f"LoRA r{a.rank}" if a.rank else "full", "config": a.config, "weights": str(dtype)}
     t0 = time.perf_counter()
@@ -73,12 +74,12 @@ def one_arm(a) -> dict:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     if lora is not None:
-        infra.add_lora(model, lora, log=False)
+        models.add_lora(model, lora, log=False)
         model.to(device)
     model.autocast_dtype = autocast_dtype
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    trainable, total = infra.trainable_params(model)
+    trainable, total = models.trainable_params(model)
     out.update(params=total, trainable=trainable, build_s=round(time.perf_counter() - t0, 1))
     if device.type == "cuda":
         out["weights_gb"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
@@ -89,7 +90,7 @@ def one_arm(a) -> dict:
     completions = [torch.randint(0, vocab, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
     batch = references.rollout_from_rows(prompts, completions)  # every row its own prompt: nothing packs
     advantages = torch.randn(rows, generator=gen)
-    optimizer, _ = infra.make_optimizer(model, 1e-5, 0.0, 1)
+    optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-5, weight_decay=0.0, warmup_updates=1))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for rep in range(a.repeats + 1):  # the first step warms up (kernels, the allocator, AdamW's state)

@@ -24,7 +24,8 @@ from scaling import OthersLoad, peak_rss_gb, proc_status_gb, reset_peak_rss, wai
 
 import common  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 from tests import references  # noqa: E402
 
@@ -73,12 +74,12 @@ def main():
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=1)
     o = p.parse_args()
-    infra.set_cpu_threads()
-    infra.seed_everything(o.seed)
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
-    engine = infra.make_engine(
-        "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
+    run.set_cpu_threads()
+    run.seed_everything(o.seed)
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
+    engine = models.make_engine(
+        run.Args(engine="hf", seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3), model, tokenizer, "", 512
     )
     task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]

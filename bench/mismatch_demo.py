@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 
 import engines  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 
 MODES = ("none", "token-tis", "seq-mask", "icepop")
 KEYS = (
@@ -57,7 +58,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1)
     a = p.parse_args()
     out = tempfile.mkdtemp(prefix="mismatch_demo_")
-    infra.make_engine = lambda kind, model, tokenizer, **kw: PerturbedEngine(model, tokenizer, a.engine_temperature)
+    models.make_engine = lambda args, model, tokenizer, *rest, **kw: PerturbedEngine(model, tokenizer, a.engine_temperature)
     table = {}
     for mode in MODES:
         argv = [
@@ -84,7 +85,7 @@ def main() -> None:
             "--run-name",
             mode,
         ]
-        grpo.main(infra.parse_args(grpo.Args, argv))
+        grpo.main(run.parse_args(grpo.Args, argv))
         with open(os.path.join(out, mode, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         first = next(r for r in rows if "mismatch/abs_log_rho_mean" in r)

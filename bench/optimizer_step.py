@@ -1,5 +1,5 @@
 """Time of one AdamW step on the embedded model's parameters (135M, fp32, CPU) for the three torch
-implementations: the per-parameter for-loop (torch's CPU default, what infra.make_optimizer gets today),
+implementations: the per-parameter for-loop (torch's CPU default, what models.make_optimizer gets today),
 foreach (multi-tensor) and fused (one kernel per parameter group; HF Trainer/TRL's default
 "adamw_torch_fused" for torch >= 2.8). Also checks that fused and for-loop give the same parameters after
 three steps, and times clip_grad_norm_.
@@ -19,12 +19,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 
 
 def main():
-    infra.set_cpu_threads()
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+    run.set_cpu_threads()
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     torch.manual_seed(0)

@@ -18,15 +18,15 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import common  # noqa: E402
 import engines  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
 import verifiers  # noqa: E402
 
 
 def main() -> None:
     torch.manual_seed(1)
-    model_path = infra.resolve_model_path("smollm2-135m")
-    model = infra.load_model(model_path, torch.device("cpu"))
-    tokenizer = infra.load_tokenizer(model_path)
+    model_path = models.resolve_model_path("smollm2-135m")
+    model = models.load_model(model_path, torch.device("cpu"))
+    tokenizer = models.load_tokenizer(model_path)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in task.problems[:4]]
     engine = engines.HFEngine(model, tokenizer)

@@ -29,7 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import common  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 from tests import references  # noqa: E402
 
@@ -145,17 +146,17 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     o = p.parse_args()
 
-    infra.set_cpu_threads()
-    infra.seed_everything(o.seed)
+    run.set_cpu_threads()
+    run.seed_everything(o.seed)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
     print(f"attention implementation: {model.config._attn_implementation}")
     if o.force_length:  # the engine ignores the model's generation_config: its rows simply never end
         references.full_length_rows()
-    optimizer, scheduler = infra.make_optimizer(model, 1e-5, 0.0, 2)
-    engine = infra.make_engine(
-        "hf", model, tokenizer, model_path="", max_model_len=512, seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3
+    optimizer, scheduler = models.make_optimizer(model, run.Args(learning_rate=1e-5, weight_decay=0.0, warmup_updates=2))
+    engine = models.make_engine(
+        run.Args(engine="hf", seed=o.seed, gen_batch_size=64, gpu_memory_utilization=0.3), model, tokenizer, "", 512
     )
     task = verifiers.load_task("arith", "train", o.seed)
     problems = [task.problems[i] for i in common.PromptSampler(len(task.problems), o.seed).sample(o.prompts)]

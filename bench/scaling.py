@@ -81,13 +81,13 @@ def wait_quiet(max_wait_s: float = 300.0, threshold: float = 0.3) -> float:
 
 def run_cell(G: int, T: int, o, force: bool) -> dict:
     import grpo
-    import infra
+    import models
     from tests import references
 
     restore = references.full_length_rows() if force else None  # bench-only: every row runs T tokens
     out_dir = tempfile.mkdtemp(prefix="bench_scaling_")
     args = grpo.Args(
-        model=infra.EMBEDDED_MODEL,
+        model=models.EMBEDDED_MODEL,
         dataset="arith",
         engine="hf",
         seed=o.seed,

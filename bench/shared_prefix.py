@@ -31,7 +31,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import engines  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 from tests import references  # noqa: E402
 
@@ -60,10 +61,10 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
     p.add_argument("--only", choices=["training", "generation"], help="one of the two tables")
     a = p.parse_args()
-    infra.set_cpu_threads()
+    run.set_cpu_threads()
     cpu = torch.device("cpu")
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, cpu)
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, cpu)
     model.rlvr_pad_id = tokenizer.pad_token_id
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, p["question"], task.instruction) for p in task.problems[:16]]

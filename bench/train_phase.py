@@ -26,7 +26,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import engines  # noqa: E402
 import grpo  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 
 
@@ -35,16 +36,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
     a = p.parse_args()
-    infra.set_cpu_threads()
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+    run.set_cpu_threads()
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
     pad = tokenizer.pad_token_id
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tokenizer, q["question"], task.instruction) for q in task.problems[:8]]
     torch.manual_seed(1)
     rollout = engines.HFEngine(model, tokenizer).generate(prompts, 8, 32, 1.0, progress=False)
     lengths = rollout.completion_lengths
-    optimizer, _ = infra.make_optimizer(model, 1e-5, 0.0, 1)
+    optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-5, weight_decay=0.0, warmup_updates=1))
     minibatches = [list(range(0, 32)), list(range(32, 64))]  # 4 whole groups each
 
     def phase(packed: bool) -> tuple[float, float, float, int]:

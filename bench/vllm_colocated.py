@@ -3,7 +3,7 @@
 Runs in the vLLM venv (docs/vllm.md). Two child processes, one after the other:
 - `alone`: only the vLLM engine (the CPU build, in-process engine core as the scripts build it) generating
   4 prompts x 8 completions of at most 64 tokens, 4 times after start-up;
-- `colocated`: what grpo.py --engine vllm does: the trainer's model loaded first (threads set by infra.setup's
+- `colocated`: what grpo.py --engine vllm does: the trainer's model loaded first (threads set by run.setup's
   set_cpu_threads), a training pass timed (packed micro-batches, forward + backward of 32 rows), then the engine
   built beside it; then 4 rounds of generate -> sleep -> the same training pass -> wake (weight push).
 Each child prints torch's thread count and the threads' CPU affinity before and after the engine starts, and the
@@ -73,13 +73,14 @@ def child(mode: str) -> dict:
 
     import common
     import engines
-    import infra
+    import models
+    import run
     import verifiers
     from tests import references
 
-    infra.set_cpu_threads()
-    path = infra.embedded_model_dir()
-    tok = infra.load_tokenizer(path)
+    run.set_cpu_threads()
+    path = models.embedded_model_dir()
+    tok = models.load_tokenizer(path)
     task = verifiers.load_task("arith", "train", 1)
     prompts = [common.format_prompt(tok, p["question"], task.instruction) for p in task.problems[:4]]
     result = {"mode": mode, "before_engine": thread_state(), "train_s_before": [], "train_s_after": [], "gen": []}
@@ -108,13 +109,13 @@ def child(mode: str) -> dict:
         return seconds, others, *switches
 
     if mode == "colocated":
-        model = infra.load_model(path, torch.device("cpu"))
+        model = models.load_model(path, torch.device("cpu"))
         train_pass()  # warm-up
         result["train_s_before"] = [train_pass() for _ in range(2)]
     t0 = time.perf_counter()
     if mode == "colocated":
-        engine = infra.make_engine(
-            "vllm", model, tok, model_path=path, max_model_len=256, seed=1, gen_batch_size=64, gpu_memory_utilization=0.35
+        engine = models.make_engine(
+            run.Args(engine="vllm", seed=1, gen_batch_size=64, gpu_memory_utilization=0.35), model, tok, path, 256
         )
     else:
         engine = engines.VLLMEngine(path, tok, max_model_len=256, seed=1, gpu_memory_utilization=0.35, dtype="float32")

@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 
 
 def deep_size(obj, seen: set | None = None) -> int:
@@ -64,19 +65,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    infra.set_cpu_threads()
+    run.set_cpu_threads()
     before = torch.get_num_threads()
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
-    engine = infra.make_engine(
-        "vllm",
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
+    engine = models.make_engine(
+        run.Args(engine="vllm", seed=0, gen_batch_size=64, gpu_memory_utilization=0.35),
         model,
         tokenizer,
-        model_path=infra.EMBEDDED_MODEL,
-        max_model_len=512,
-        seed=0,
-        gen_batch_size=64,
-        gpu_memory_utilization=0.35,
+        models.EMBEDDED_MODEL,
+        512,
     )
     after = torch.get_num_threads()
     seen = []

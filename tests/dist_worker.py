@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import engines  # noqa: E402
-import infra  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
 import verifiers  # noqa: E402
 from tests import references  # noqa: E402
 
@@ -75,7 +76,7 @@ class ScriptedEngine:
 def run_script(method: str, flags: list[str]) -> None:
     if os.environ.get("RLVR_TEST_ENGINE") in ("scripted", "scripted_logps"):
         logps = os.environ["RLVR_TEST_ENGINE"] == "scripted_logps"
-        infra.make_engine = lambda kind, model, tokenizer, *a, **k: ScriptedEngine(tokenizer, logps)
+        models.make_engine = lambda args, model, tokenizer, *a, **k: ScriptedEngine(tokenizer, logps)
     sys.argv = [os.path.join(ROOT, f"{method}.py"), *flags]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
@@ -174,8 +175,8 @@ def losses():
 
 
 def run_update(model_path: str, out_path: str, control: str = "") -> None:
-    world = infra.init_world()
-    tokenizer = infra.load_tokenizer(model_path)
+    world = run.init_world()
+    tokenizer = models.load_tokenizer(model_path)
     full, advantages, offset = fixed_batch(len(tokenizer))
     minibatch = list(range(P * G))  # one mini-batch: every row
     if world.enabled:
@@ -190,19 +191,19 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
     mask = common.completion_mask_of(rollout)  # (B, T) from every row's length
     results = {}
     for name, agg, loss_fn in losses():
-        infra.seed_everything(0)
-        model = infra.load_model(model_path, torch.device("cpu"), gradient_checkpointing=name.endswith("checkpointing"))
+        run.seed_everything(0)
+        model = models.load_model(model_path, torch.device("cpu"), gradient_checkpointing=name.endswith("checkpointing"))
         if control == "average" and world.enabled:  # FSDP's default: average the ranks' gradients
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-            for layer in infra.decoder_layers(model):
+            for layer in models.decoder_layers(model):
                 fully_shard(layer)
             fully_shard(model)
             model.rlvr_completion_logps = common._completion_logps.__get__(model)
             register_fsdp_forward_method(model, "rlvr_completion_logps")
         else:
-            model = infra.shard_model(model)
-        optimizer, _ = infra.make_optimizer(model, 1e-2, 0.0, 0)
+            model = models.shard_model(model)
+        optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-2, weight_decay=0.0, warmup_updates=0))
         own = rollout.own(minibatch)
         mb_tokens = mask[own if control == "local_tokens" else minibatch].sum().item()
         loss_sum = 0.0
@@ -262,9 +263,9 @@ GEN_MAX_NEW = 9
 
 
 def run_generate(model_path: str, out_path: str) -> None:
-    world = infra.init_world()
-    tokenizer = infra.load_tokenizer(model_path)
-    model = infra.shard_model(infra.load_model(model_path, torch.device("cpu")))
+    world = run.init_world()
+    tokenizer = models.load_tokenizer(model_path)
+    model = models.shard_model(models.load_model(model_path, torch.device("cpu")))
     engine, prompts = generate_setup(world.rank, model, tokenizer)
     torch.manual_seed(11)
     ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)
@@ -308,7 +309,7 @@ def fail_each_rank() -> None:
         raise verifiers.RunError(f"rank {os.environ.get('RANK')}'s own failure")
 
     sys.argv = [sys.argv[0]]
-    infra.run_cli(failing_main, grpo.Args)
+    run.command_line(failing_main, grpo.Args)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 import codapo
 import common
 import grpo
-import infra
+import run
 import verifiers
 from tests import tiny
 
@@ -231,16 +231,16 @@ def test_focus_sampler_pending_focus_and_state():
 
 
 def test_flags_ablations_parse():
-    args = infra.parse_args(codapo.Args, [])
+    args = run.parse_args(codapo.Args, [])
     assert args.codapo_weighting and args.focused_step and args.codapo_offset == 0.1
     assert args.codapo_percentile == 0.75 and args.repeat_count == 4 and args.codapo_std_eps == 1e-6
-    args = infra.parse_args(codapo.Args, ["--no-codapo-weighting", "--no-focused-step", "--repeat-count", "2"])
+    args = run.parse_args(codapo.Args, ["--no-codapo-weighting", "--no-focused-step", "--repeat-count", "2"])
     assert not args.codapo_weighting and not args.focused_step and args.repeat_count == 2
-    args = infra.parse_args(codapo.Args, ["--codapo-weighting", "false", "--focused_step", "true"])
+    args = run.parse_args(codapo.Args, ["--codapo-weighting", "false", "--focused_step", "true"])
     assert not args.codapo_weighting and args.focused_step
     for bad in (["--repeat-count", "0"], ["--codapo-percentile", "1.5"]):
         with pytest.raises(verifiers.UserError):
-            infra.parse_args(codapo.Args, bad)
+            run.parse_args(codapo.Args, bad)
 
 
 # ----- dual clip (official verl loss, clip_ratio_c = 3): A < 0 tokens capped at c |A|
@@ -328,12 +328,12 @@ def test_dual_clip_off_is_the_plain_loss_exactly(loss_agg):
 
 
 def test_dual_clip_flag():
-    assert infra.parse_args(codapo.Args, []).dual_clip_c == 0.0  # off: the default run's loss is unchanged
-    assert infra.parse_args(codapo.Args, ["--dual-clip-c", "3"]).dual_clip_c == 3.0
-    assert infra.parse_args(codapo.Args, ["--dual-clip-c", "-1"]).dual_clip_c == -1.0  # also off
+    assert run.parse_args(codapo.Args, []).dual_clip_c == 0.0  # off: the default run's loss is unchanged
+    assert run.parse_args(codapo.Args, ["--dual-clip-c", "3"]).dual_clip_c == 3.0
+    assert run.parse_args(codapo.Args, ["--dual-clip-c", "-1"]).dual_clip_c == -1.0  # also off
     for bad in ("1", "0.5", "nan"):
         with pytest.raises(verifiers.UserError, match="--dual-clip-c"):
-            infra.parse_args(codapo.Args, ["--dual-clip-c", bad])
+            run.parse_args(codapo.Args, ["--dual-clip-c", bad])
 
 
 def test_paper_scale_line_makes_the_official_number_of_updates():
@@ -342,7 +342,7 @@ def test_paper_scale_line_makes_the_official_number_of_updates():
     doc = codapo.__doc__
     start = doc.index("python codapo.py --model Qwen/Qwen2.5-Math-1.5B")
     line = doc[start : doc.index("# GPU", start)].replace("\\\n", " ").split()[2:]
-    args = infra.parse_args(codapo.Args, line)
+    args = run.parse_args(codapo.Args, line)
     assert (args.prompts_per_step, args.num_generations) == (16, 8)
     assert args.prompts_per_step * args.num_generations // args.updates_per_batch == 16  # trajectories per update
     assert args.dual_clip_c == 3.0 and args.learning_rate == 1e-6 and args.max_new_tokens == 3072

@@ -1,4 +1,4 @@
-"""DAPO's options in infra.Args (arXiv:2503.14476), each off by default: --zero-variance mask, --dynamic-sampling
+"""DAPO's options in run.Args (arXiv:2503.14476), each off by default: --zero-variance mask, --dynamic-sampling
 with --max-sampling-rounds, --overlong-buffer / --overlong-penalty, --truncated mask.
 
 Hand values for the pieces (the overlong penalty, the rows that leave the loss, dynamic sampling's slots), then the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-import infra
+import models
 import verifiers
 from tests import references, tiny
 
@@ -221,7 +221,7 @@ class VariedEngine:
 
 @pytest.fixture
 def varied_engine(monkeypatch):
-    monkeypatch.setattr(infra, "make_engine", lambda kind, model, tokenizer, *a, **k: VariedEngine(tokenizer))
+    monkeypatch.setattr(models, "make_engine", lambda args, model, tokenizer, *a, **k: VariedEngine(tokenizer))
 
 
 def _run(method, toy, out, name, steps=1, **overrides):

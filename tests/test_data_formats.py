@@ -12,7 +12,9 @@ import sys
 import pytest
 
 import common
-import infra
+import models
+import outputs
+import run
 import verifiers
 from tests import tiny
 
@@ -133,10 +135,10 @@ def run_main(method, argv, monkeypatch, capsys):
     def stop(*a, **k):
         raise Loaded("load_model")
 
-    monkeypatch.setattr(infra, "load_model", stop)
+    monkeypatch.setattr(models, "load_model", stop)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", *argv])
     try:
-        infra.run_cli(mod.main, mod.Args)
+        run.command_line(mod.main, mod.Args)
     except SystemExit as exc:
         return exc.code, capsys.readouterr()
     return 0, capsys.readouterr()
@@ -163,10 +165,10 @@ def test_completion_longer_than_the_context_is_refused_before_the_weights_load(m
     assert "the longest evaluation prompt" in errors[0] and "256 tokens" in errors[0] and "at most" in errors[0]
     mod = importlib.import_module("grpo")
     with pytest.raises(Loaded):  # a completion that fits gets past the check, to the weights
-        mod.main(infra.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
+        mod.main(run.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
     # --max-position-embeddings extends the context: the 200 new tokens then fit too
     with pytest.raises(Loaded):
-        mod.main(infra.parse_args(mod.Args, argv + ["--max-new-tokens", "200", "--max-position-embeddings", "512"]))
+        mod.main(run.parse_args(mod.Args, argv + ["--max-new-tokens", "200", "--max-position-embeddings", "512"]))
 
 
 def _task_with_a_long_prompt(tmp_path):
@@ -180,7 +182,7 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
     task = _task_with_a_long_prompt(tmp_path)
     lengths = [len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems]
     assert lengths[-1] > 246 >= max(lengths[:-1])
-    kept, context = infra.fit_context(model, tok, task, [[[1, 2, 3]]], system_prompt="", max_new_tokens=10)
+    kept, context = models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, task, [[[1, 2, 3]]])
     assert kept.problems == task.problems[:-1] and kept.where == task.where[:-1]
     assert context == max(lengths[:-1]) + 10  # the engine's context: the longest prompt kept + the new tokens
     out = capsys.readouterr().out
@@ -189,14 +191,18 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
         f"the longest kept has {max(lengths[:-1])} tokens" in out
     )
     with pytest.raises(verifiers.UserError, match=r"1 of 11 training prompts .* longer than 246 tokens.*d.jsonl:11"):
-        infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, long_prompts="error")
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10, long_prompts="error"), model, tok, task, [])
     with pytest.raises(verifiers.UserError, match="none is left"):
-        infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, max_prompt_tokens=20)
-    kept, context = infra.fit_context(model, tok, task, [], system_prompt="", max_new_tokens=10, max_position_embeddings=1024)
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10, max_prompt_tokens=20), model, tok, task, [])
+    kept, context = models.fit_context(
+        run.Args(system_prompt="", max_new_tokens=10, max_position_embeddings=1024), model, tok, task, []
+    )
     assert kept.problems == task.problems and context == lengths[-1] + 10  # an extended context holds them all
-    assert infra.fit_context(model, tok, None, [[[1] * 40]], system_prompt="", max_new_tokens=10)[1] == 50  # eval-only
+    assert (
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [[[1] * 40]])[1] == 50
+    )  # eval-only
     with pytest.raises(verifiers.UserError, match=r"the longest evaluation prompt \(300 tokens\)"):
-        infra.fit_context(model, tok, None, [[[1] * 300]], system_prompt="", max_new_tokens=10)
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [[[1] * 300]])
 
 
 # ----- set-up and summary
@@ -214,9 +220,9 @@ def test_requirements_ask_only_for_extras_their_packages_provide():
 
 
 def test_eval_only_summary_shows_one_value_per_metric(capsys):
-    infra.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
+    outputs.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
     out = capsys.readouterr().out
     assert "eval/pass@1    0.5000" in out and "eval/pass@4    0.7500" in out
     assert "before" not in out and "n/a" not in out
-    infra.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
+    outputs.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
     assert "before 0.2500  after 0.5000" in capsys.readouterr().out

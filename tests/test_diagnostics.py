@@ -11,7 +11,8 @@ import torch
 import codapo
 import compare
 import grpo
-import infra
+import outputs
+import run
 import verifiers
 from tests import references, tiny
 
@@ -50,7 +51,7 @@ TEXTS = ["3", "3", "5", "1", "0", "0", "9", "0"]
 
 
 def test_pass_at_1_per_tier_by_hand():
-    m, (records, _) = infra.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
+    m, (records, _) = outputs.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
     assert m["eval/tier0/pass@1"] == pytest.approx((1.0 + 0.5) / 2)  # mean over the tier's problems
     assert m["eval/tier1/pass@1"] == 0.0
@@ -62,17 +63,17 @@ def test_pass_at_1_per_tier_by_hand():
 
 
 def test_no_tier_field_no_tier_keys():
-    m, (records, _) = infra.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, (records, _) = outputs.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k] and not [r for r in records if "tier" in r]
     # a tier value that cannot be part of a key (a float, a string with '/') is no tier either
-    m, _ = infra.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, _ = outputs.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
     assert not [k for k in m if "tier" in k]
 
 
 def test_tier_keys_follow_the_per_set_prefix():
     tasks = [arith_task(TIERS, ANSWERS, "arith"), arith_task([3, 3, 3, 3], ANSWERS, "/x/other.jsonl")]
     engine = ScriptedEngine(TEXTS)
-    m, _ = infra.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
+    m, _ = outputs.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
     assert m["eval/arith/tier0/pass@1"] == pytest.approx(0.75) and m["eval/arith/tier0/n_problems"] == 2
     assert m["eval/other/tier3/pass@1"] == pytest.approx(0.5) and m["eval/other/tier3/n_problems"] == 4
     assert m["eval/tier0/pass@1"] == m["eval/arith/tier0/pass@1"]  # unprefixed keys: the first set's
@@ -80,24 +81,24 @@ def test_tier_keys_follow_the_per_set_prefix():
 
 
 def test_console_and_summary_skip_tier_keys(capsys):
-    m, _ = infra.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
-    line = infra.eval_console_line(0, 3, m)
+    m, _ = outputs.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    line = outputs.eval_console_line(0, 3, m)
     assert "pass@1 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
-    infra.print_summary("t", m, m, {}, 1.0)
+    outputs.print_summary("t", m, m, {}, 1.0)
     out = capsys.readouterr().out
     assert "eval/pass@1" in out and "eval/pass@2" in out and "tier" not in out
 
 
 def test_compare_reads_tier_keys(tmp_path):
     for seed, p in ((1, 0.5), (2, 0.25)):
-        run = tmp_path / f"r{seed}"
-        run.mkdir()
-        (run / "args.json").write_text(json.dumps({"exp_name": "grpo", "seed": seed}))
+        run_path = tmp_path / f"r{seed}"
+        run_path.mkdir()
+        (run_path / "args.json").write_text(json.dumps({"exp_name": "grpo", "seed": seed}))
         rows = [
             {"step": 0, "update": 0, "eval/pass@1": 0.1, "eval/tier0/pass@1": 0.0},
             {"step": 1, "update": 2, "eval/pass@1": p, "eval/tier0/pass@1": p / 2, "eval/tier0/n_problems": 4},
         ]
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     groups = compare.group_runs([compare.load_run(str(tmp_path / f"r{s}")) for s in (1, 2)])
     assert compare.eval_keys(groups) == ["eval/pass@1", "eval/tier0/pass@1"]
     assert compare.select_metrics(groups, ["eval/tier*/pass@1"]) == ["eval/tier0/pass@1"]
@@ -137,7 +138,7 @@ def test_eval_only_run_logs_tiers_consistent_with_its_records(toy, tmp_path, cap
         "--run-name",
         "ev",
     ]
-    grpo.main(infra.parse_args(grpo.Args, argv))
+    grpo.main(run.parse_args(grpo.Args, argv))
     assert "tier" not in capsys.readouterr().out
     (row,) = read_jsonl(tmp_path / "ev" / "metrics.jsonl")
     records = read_jsonl(tmp_path / "ev" / "eval_correctness_step0.jsonl")
@@ -178,7 +179,7 @@ def test_codapo_dynamics_by_hand():
 
 def test_codapo_run_logs_dynamics_consistent_with_its_rollouts(toy, tmp_path):
     argv = tiny.run_flags(toy, tmp_path, "cd", log_rollouts_every=1)
-    codapo.main(infra.parse_args(codapo.Args, argv))
+    codapo.main(run.parse_args(codapo.Args, argv))
     rows = [r for r in read_jsonl(tmp_path / "cd" / "metrics.jsonl") if "rollout/reward_mean" in r]
     rollouts = read_jsonl(tmp_path / "cd" / "rollouts.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-import infra
+import models
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -340,7 +340,7 @@ def test_synced_generation_rank_done_early_steps_without_drawing(toy, tmp_path):
     tok = tiny.make_tokenizer()
     for rank in (0, 1):
         got = torch.load(f"{out}.rank{rank}")
-        model = infra.load_model(toy["model"], torch.device("cpu"))
+        model = models.load_model(toy["model"], torch.device("cpu"))
         engine, prompts = generate_setup(rank, model, tok)
         torch.manual_seed(11)
         ro = engine.generate(prompts, 2, GEN_MAX_NEW, 0.9, progress=False)

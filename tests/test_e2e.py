@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import infra
+import run
 from tests import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +94,7 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
         assert key in eval_rows[0], key
     assert os.path.exists(tmp_path / "smoke" / "args.json")
     with open(tmp_path / "smoke" / "args.json") as f:  # --micro-batch-tokens 0 resolved and recorded (CPU: 1024)
-        assert json.load(f)["micro_batch_tokens"] == infra.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
+        assert json.load(f)["micro_batch_tokens"] == run.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
     assert os.path.exists(tmp_path / "smoke" / "samples.jsonl")
     assert "pass@1" in proc.stdout and "before" in proc.stdout and "after" in proc.stdout
 

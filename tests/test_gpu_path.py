@@ -13,7 +13,8 @@ import torch
 
 import engines
 import grpo
-import infra
+import models
+import run
 import verifiers
 from tests import tiny
 
@@ -41,7 +42,7 @@ def test_a_compiler_that_fails_stops_the_run_before_training_with_its_cause(toy,
     def broken(graph_module, example_inputs):
         raise RuntimeError("no working C++ compiler on this machine")
 
-    monkeypatch.setattr(infra, "COMPILE_BACKEND", broken)
+    monkeypatch.setattr(models, "COMPILE_BACKEND", broken)
     with pytest.raises(verifiers.UserError) as error:
         grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "broken", compile=True)))
     assert str(error.value) == (
@@ -56,13 +57,13 @@ def test_engine_dtype_auto_and_gen_batch_size_zero_on_the_cpu(toy, tmp_path):
     generates from the trainer's own model; --gen-batch-size 0 resolves to 64 here (args.json records it)."""
     args = grpo.Args(**tiny.run_settings(toy, tmp_path, "auto"))
     assert args.engine_dtype == "auto" and args.gen_batch_size == 0
-    _, device = infra.setup(args)
+    _, device = run.setup(args)
     assert args.gen_batch_size == 64
-    model = infra.load_model(toy["model"], device)
-    tok = infra.load_tokenizer(toy["model"])
-    kw = dict(model_path=toy["model"], max_model_len=64, seed=0, gen_batch_size=64, gpu_memory_utilization=0.3)
-    engine = infra.make_engine("hf", model, tok, **kw)
-    assert type(engine) is engines.HFEngine and engine.sampler is model and not engine.return_logps
-    bf16 = infra.make_engine("hf", model, tok, engine_dtype="bf16", **kw)
-    assert type(bf16) is engines.HFEngine and next(bf16.sampler.parameters()).dtype == torch.bfloat16
-    assert infra.make_engine("hf", model, tok, engine_dtype="trainer", **kw).sampler is model
+    model = models.load_model(toy["model"], device)
+    tok = models.load_tokenizer(toy["model"])
+    for engine_dtype, bf16_copy in (("auto", False), ("bf16", True), ("trainer", False)):
+        args.engine_dtype = engine_dtype
+        engine = models.make_engine(args, model, tok, toy["model"], 64)
+        assert type(engine) is engines.HFEngine and (engine.sampler is not model) == bf16_copy
+        assert engine.return_logps == bf16_copy  # the copy's log-probs measure its rounding; the trainer's: none asked
+        assert next(engine.sampler.parameters()).dtype == (torch.bfloat16 if bf16_copy else torch.float32)

@@ -8,7 +8,8 @@ import torch
 import common
 import engines
 import grpo
-import infra
+import models
+import run
 import verifiers
 from tests import references
 from tests import tiny as tiny_mod
@@ -113,7 +114,7 @@ def tiny(tmp_path_factory):
     from tests import tiny as tiny_mod
 
     path = tiny_mod.make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-    return infra.load_tokenizer(path), infra.load_model(path, torch.device("cpu"))
+    return models.load_tokenizer(path), models.load_model(path, torch.device("cpu"))
 
 
 def _naive_logps(model, tb, temperature):
@@ -234,7 +235,7 @@ def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
     model = torch.nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0, -2.0]]))
-    optimizer, scheduler = infra.make_optimizer(model, lr=0.1, weight_decay=0.0, warmup_updates=2)
+    optimizer, scheduler = models.make_optimizer(model, run.Args(learning_rate=0.1, weight_decay=0.0, warmup_updates=2))
     assert optimizer.defaults["fused"] is True  # CPU fp32 parameters take the fused kernel
     model.weight.grad = torch.tensor([[0.5, -4.0]])
     optimizer.step()
@@ -245,9 +246,9 @@ def test_make_optimizer_is_fused_adamw_with_hand_computed_first_step():
 
 
 def test_micro_batch_tokens_auto_and_bad_value():
-    assert infra.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
-    assert infra.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
-    assert infra.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
+    assert run.resolve_micro_batch_tokens(0, torch.device("cpu")) == 1024
+    assert run.resolve_micro_batch_tokens(0, torch.device("cuda")) == 16384  # only the device type is read
+    assert run.resolve_micro_batch_tokens(512, torch.device("cpu")) == 512
     with pytest.raises(verifiers.UserError, match="--micro-batch-tokens -1: must be >= 0"):
         grpo.Args(micro_batch_tokens=-1)  # the flag is checked when the arguments are built, before any device
 

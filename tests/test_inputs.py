@@ -1,5 +1,5 @@
 """Bad input fails with one `error:` line (exit 2) before anything slow: every bad flag before any dataset or
-model is loaded (infra.validate_args, the method scripts' own checks, one-line argparse errors), and every data
+model is loaded (run.validate_args, the method scripts' own checks, one-line argparse errors), and every data
 error in a local dataset file with its `file:line`."""
 
 import gzip
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-import infra
+import models
+import run
 import verifiers
 from tests import tiny
 
@@ -39,7 +40,7 @@ def no_loading(monkeypatch):
 
     monkeypatch.setattr(verifiers, "load_task", stop("load_task"))
     for name in ("load_tokenizer", "load_model", "make_engine", "embedded_model_dir"):
-        monkeypatch.setattr(infra, name, stop(name))
+        monkeypatch.setattr(models, name, stop(name))
     return reached
 
 
@@ -48,7 +49,7 @@ def run_cli_in_process(method, argv, monkeypatch, capsys):
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", *argv])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(mod.main, mod.Args)
+        run.command_line(mod.main, mod.Args)
     return exc.value.code, capsys.readouterr()
 
 
@@ -164,7 +165,7 @@ def test_valid_flags_get_past_validation(method, no_loading, monkeypatch, capsys
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--output-dir", str(tmp_path)])
     with pytest.raises(Loaded):
-        infra.run_cli(mod.main, mod.Args)
+        run.command_line(mod.main, mod.Args)
     assert no_loading == ["load_task"]
 
 
@@ -289,14 +290,14 @@ def test_data_error_real_cli(tmp_path):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_help_lists_every_flag_with_its_default(method, monkeypatch, capsys):
-    """One dataclass per script (infra.Args + the method's own fields): --help shows each flag once, with its
+    """One dataclass per script (run.Args + the method's own fields): --help shows each flag once, with its
     default (Mu-GRPO's stage defaults included) and the choices of each Literal flag."""
     import dataclasses
 
     mod = importlib.import_module(method)
     monkeypatch.setattr(sys, "argv", [f"{method}.py", "--help"])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(mod.main, mod.Args)
+        run.command_line(mod.main, mod.Args)
     assert exc.value.code == 0
     text = capsys.readouterr().out
     entries = {e.split()[0].split(",")[0].split("=")[0]: e for e in ("\n" + text).split("\n  --")[1:]}

@@ -1,15 +1,18 @@
 """The shared layer keeps its shape: imports go one way, a default CPU step stays inside common.py and engines.py,
-common.py holds nothing a run reaches only at its start or end, and the maps name what the scripts use.
+common.py holds nothing a run reaches only at its start or end, the maps name what the scripts use, no product
+file is over 1,600 lines or uses another file's `_private` names, and a script passes no flag through to the run's
+rooms (each room reads its own flags from `args`).
 
-- Imports go down only: scripts -> infra -> engines -> common -> verifiers -> sandbox (any `import` or
-  `from ... import` anywhere in a file, functions included).
+- Imports go down only: scripts -> outputs -> run -> models -> engines -> common -> verifiers -> sandbox (any
+  `import` or `from ... import` anywhere in a file, functions included).
 - The reach of a step is computed from the source with `ast` (`python tests/test_layout.py` prints it):
   * the step is the body of main's `for step in ...` loop, taken at a middle step (step 2 of the default run: no
     evaluation, no checkpoint, no rollout dump) with the script's default flags (`Args()`), one process, no GPU;
   * an `if` / conditional expression whose test is decided by those facts follows one branch only (a branch that
     returns or raises ends the path); every other branch is followed;
-  * a reached definition (function, class, constant) of common.py, engines.py or infra.py reaches the top-level
-    names its body reads in its own file and the `common.X` / `engines.X` / `infra.X` it names; a reached class is
+  * a reached definition (function, class, constant) of common.py, engines.py or a room (run.py, models.py,
+    outputs.py) reaches the top-level names its body reads in its own file and the `common.X` / `models.X` / ... it
+    names; a reached class is
     read whole (every method) with its bases; a reached script function reaches what it reads;
   * the step's objects made before the loop (engine, sampler, logger, ...) reach their classes: `v = mod.C(...)` is
     a C; `v = mod.f(...)` is what f returns on the decided path (a class constructed in a return, or the class
@@ -31,8 +34,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("grpo", "gapo", "mugrpo", "codapo")
-SHARED = ("infra", "engines", "common")  # the files whose definitions the reach follows
-LAYERS = [SCRIPTS, ("infra",), ("engines",), ("common",), ("verifiers",), ("sandbox",)]  # top to bottom
+ROOMS = ("outputs", "run", "models")  # the run's infrastructure, in rooms by purpose
+SHARED = (*ROOMS, "engines", "common")  # the files whose definitions the reach follows
+LAYERS = [SCRIPTS, ("outputs",), ("run",), ("models",), ("engines",), ("common",), ("verifiers",), ("sandbox",)]  # top down
+PRODUCT_LINES_MAX = 1600  # no product file longer: a new capability finds its room (or gets one)
+SETUP_LINES_MAX = 80  # a script's setup, from `def main` to its step loop: a short, visible list of calls
 STEP_LINES_MAX = 950  # lines of common.py's and engines.py's definitions a reader of one default CPU step reads
 MIDDLE_STEP = 2
 UNKNOWN = object()
@@ -47,8 +53,14 @@ class Facts:
     rank = 0
 
 
+def _path(name: str) -> str:
+    """A module's file: name.py, or name/__init__.py for a package (the sandbox)."""
+    flat = os.path.join(ROOT, f"{name}.py")
+    return flat if os.path.isfile(flat) else os.path.join(ROOT, name, "__init__.py")
+
+
 def _source(name: str) -> tuple[str, ast.Module]:
-    with open(os.path.join(ROOT, f"{name}.py")) as f:
+    with open(_path(name)) as f:
         text = f.read()
     return text, ast.parse(text)
 
@@ -58,7 +70,7 @@ def _truthy(v):
 
 
 def _module_attr(node) -> tuple[str, str] | None:
-    """(module, name) of `common.X`, `engines.X` or `infra.X`."""
+    """(module, name) of `common.X`, `engines.X` or a room's `models.X`, `run.X`, `outputs.X`."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in SHARED:
         return node.value.id, node.attr
     return None
@@ -87,7 +99,7 @@ class Evaluator:
             f = node.func
             if isinstance(f, ast.Name) and f.id in ("world", "env_world_size"):
                 return Facts if f.id == "world" else 1
-            if _module_attr(f) in (("common", "world"), ("infra", "env_world_size")):
+            if _module_attr(f) in (("common", "world"), ("run", "env_world_size")):
                 return Facts if f.attr == "world" else 1
             if ast.unparse(f) == "torch.cuda.is_available":
                 return False
@@ -143,7 +155,7 @@ class Walker:
         self.env, self.facts = dict(env), facts
         self.evaluate = Evaluator(self.env, facts)
         self.names: set[str] = set()  # Name loads
-        self.module_attrs: set[tuple[str, str]] = set()  # (module, X) of common.X, engines.X, infra.X
+        self.module_attrs: set[tuple[str, str]] = set()  # (module, X) of common.X, engines.X, models.X, ...
         self.returns: list[ast.expr] = []
         self.assigned: dict[str, ast.expr] = {}
 
@@ -229,7 +241,7 @@ class Walker:
 
 
 class Shared:
-    """The top-level definitions of common.py, engines.py and infra.py: (module, name) -> (node, first, last line)."""
+    """The top-level definitions of SHARED's files: (module, name) -> (node, first, last line)."""
 
     def __init__(self, facts: bool = True):
         self.facts = facts
@@ -375,7 +387,7 @@ def reach_of_script(script: str, shared: Shared | None = None) -> set[tuple[str,
                 objects.setdefault(var, set()).update(shared.returned_classes(key, call, setup.env))
             elif isinstance(call.func, ast.Name) and isinstance(script_defs.get(call.func.id), ast.ClassDef):
                 objects.setdefault(var, set()).add(("script", call.func.id))
-    for node in main.body[: main.body.index(loop)]:  # `world, device = infra.setup(args)`
+    for node in main.body[: main.body.index(loop)]:  # `world, device = run.setup(args)`
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Call):
             names = [e.id for e in node.targets[0].elts if isinstance(e, ast.Name)]
             key = _module_attr(node.value.func)
@@ -495,15 +507,18 @@ def test_imports_go_down_only(name):
     level = next(i for i, layer in enumerate(LAYERS) if name in layer)
     above = {m for layer in LAYERS[: level + 1] for m in layer}  # its own layer too (a script imports no script)
     upward = sorted(imported_modules(name) & above - {name})
-    assert not upward, f"{name}.py imports {upward}: imports go scripts -> infra -> engines -> common -> verifiers -> sandbox"
+    assert not upward, (
+        f"{name}.py imports {upward}: imports go scripts -> outputs -> run -> models -> engines -> common -> verifiers "
+        "-> sandbox"
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_shared_name_a_script_uses_is_in_its_files_map(script):
-    for mod in ("common", "infra"):
+    for mod in ("common", *ROOMS):
         missing = sorted(used_names(script, mod) - docstring_names(mod))
         assert not missing, f"{script}.py uses {mod}.{missing}, which {mod}.py's opening map does not name"
-    assert not used_names(script, "engines"), f"{script}.py uses engines.* directly (infra.make_engine builds it)"
+    assert not used_names(script, "engines"), f"{script}.py uses engines.* directly (models.make_engine builds it)"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -511,7 +526,7 @@ def test_a_default_cpu_step_stays_in_common_and_engines(script, shared):
     reached = reach_of_script(script, shared)
     assert ("engines", "HFEngine") in reached and ("common", "generate_rollout") in reached  # the walk got there
     outside = sorted(n for m, n in reached if m not in ("common", "engines"))
-    assert not outside, f"a default CPU step of {script}.py reaches {outside} of infra.py"
+    assert not outside, f"a default CPU step of {script}.py reaches {outside} of the run's rooms {ROOMS}"
     for mod in ("common", "engines"):
         between = unreached_between(shared, mod, reached)
         assert not between, f"{mod}.py: the stretch a default CPU step of {script}.py reads holds {between}, unreached"
@@ -529,7 +544,7 @@ def test_common_holds_nothing_a_run_reaches_only_at_its_start_or_end():
         for (m, n), (node, *_) in shared.defs.items()
         if m == "common" and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (m, n) not in reached
     )
-    assert not unreached, f"common.py holds {unreached}, which no step reaches: they belong in infra.py"
+    assert not unreached, f"common.py holds {unreached}, which no step reaches: they belong in a room {ROOMS}"
 
 
 def test_readme_states_the_reach_this_file_computes():
@@ -560,9 +575,113 @@ def test_the_reach_follows_the_decided_branches_only():
 
 def test_an_upward_import_is_caught(tmp_path, monkeypatch):
     """The import rule reads imports inside functions too."""
-    (tmp_path / "common.py").write_text("def f():\n    import infra\n    return infra\n")
+    (tmp_path / "common.py").write_text("def f():\n    import models\n    return models\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
-    assert imported_modules("common") == {"infra"}
+    assert imported_modules("common") == {"models"}
+
+
+def product_files() -> list[str]:
+    """The product's Python files (relative paths): the top level and the sandbox/ folder, not tests/, bench/, docs/."""
+    top = [n for n in os.listdir(ROOT) if n.endswith(".py")]
+    sandbox = [os.path.join("sandbox", n) for n in os.listdir(os.path.join(ROOT, "sandbox")) if n.endswith(".py")]
+    return sorted(top + sandbox)
+
+
+def module_of(path: str) -> str:
+    """sandbox/__init__.py -> sandbox, sandbox/harness.py -> sandbox.harness, grpo.py -> grpo."""
+    parts = path[: -len(".py")].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def private_uses(text: str, modules: set[str], own: str) -> list[str]:
+    """`mod._name` and `from mod import _name` in `text` for a module of `modules` other than `own` (dunders excepted)."""
+    tree = ast.parse(text)
+    bound = {}  # local name -> module (`import a.b as c`, `import a`)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules and a.name != own:
+                    bound[a.asname or a.name.split(".")[0]] = a.name
+    found = []
+    for node in ast.walk(tree):
+        private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules and node.module != own:
+            found += [f"from {node.module} import {a.name}" for a in node.names if private(a.name)]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            if private(node.attr):
+                found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+    return found
+
+
+ROOM_CALLS = {*ROOMS, "verifiers"}  # the files a script calls at its start and end
+
+
+def passed_through_flags(main: ast.FunctionDef) -> list[str]:
+    """The flags `args.X` of a script's main whose every use is an argument of a call to a room (ROOM_CALLS): flags that
+    only the infrastructure reads, which the room should read from `args` itself."""
+    parent = {child: node for node in ast.walk(main) for child in ast.iter_child_nodes(node)}
+    uses: dict[str, list[bool]] = {}
+    for node in ast.walk(main):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args":
+            up = parent.get(node)
+            while up is not None and not isinstance(up, ast.Call):
+                up = parent.get(up)
+            to_room = up is not None and isinstance(up.func, ast.Attribute) and ast.unparse(up.func.value) in ROOM_CALLS
+            uses.setdefault(node.attr, []).append(to_room)
+    return sorted(name for name, to_room in uses.items() if all(to_room))
+
+
+def test_no_product_file_is_over_the_line_limit():
+    sizes = {}
+    for path in product_files():
+        with open(os.path.join(ROOT, path)) as f:
+            sizes[path] = sum(1 for _ in f)
+    over = {p: n for p, n in sizes.items() if n > PRODUCT_LINES_MAX}
+    assert not over, f"{over}: over {PRODUCT_LINES_MAX} lines; the capability that grew it finds its own room"
+
+
+def test_no_product_file_uses_another_files_private_names():
+    modules = {module_of(p) for p in product_files()} | {"sandbox"}
+    for path in product_files():
+        with open(os.path.join(ROOT, path)) as f:
+            found = private_uses(f.read(), modules, module_of(path))
+        assert not found, f"{path} uses another file's private names: {found} (make them public where they are defined)"
+
+
+def test_the_private_name_rule_catches_a_use():
+    code = "import common\nfrom verifiers import _code\nx = common._WORLD\ny = common.world()\nz = self._own\n"
+    assert private_uses(code, {"common", "verifiers"}, "infra") == ["from verifiers import _code", "common._WORLD (line 3)"]
+    assert private_uses(code, {"common", "verifiers"}, "common") == ["from verifiers import _code"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_passes_no_flag_through_to_the_rooms(script):
+    _, tree = _source(script)
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    through = passed_through_flags(main)
+    assert not through, (
+        f"{script}.py passes {['--' + f.replace('_', '-') for f in through]} to the run's rooms only: the room reads "
+        "its own flags from args"
+    )
+
+
+def test_the_pass_through_rule_catches_a_flag():
+    code = (
+        "def main(args):\n    e = models.make_engine(args, m, engine_dtype=args.engine_dtype)\n"
+        "    r = models.reference_model(args) if args.beta > 0 else None\n"
+        "    loss = f(args.beta, args.clip)\n    outputs.save(args, keep=args.keep_last, steps=args.clip)\n"
+    )
+    main = ast.parse(code).body[0]
+    assert passed_through_flags(main) == ["engine_dtype", "keep_last"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_scripts_setup_is_a_short_list_of_calls(script):
+    _, tree = _source(script)
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    loop = next(n for n in main.body if isinstance(n, ast.For) and ast.unparse(n.target) == "step")
+    lines = loop.lineno - main.lineno
+    assert lines <= SETUP_LINES_MAX, f"{script}.py: {lines} lines from `def main` to the step loop (at most {SETUP_LINES_MAX})"
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import torch
 
 import common
 import engines
-import infra
+import models
+import outputs
+import run
 from tests import tiny
 from verifiers import UserError
 
@@ -30,7 +32,7 @@ LINEAR_NAMES = "down_proj gate_proj k_proj o_proj q_proj up_proj v_proj"
 
 
 def lora(rank=2, targets=("all-linear",), base="", seed=1, adapter_dir=None):
-    return infra.LoRA(rank, 32.0, tuple(targets), base, seed, adapter_dir)
+    return models.LoRA(rank, 32.0, tuple(targets), base, seed, adapter_dir)
 
 
 def randomize_adapters(model, seed=0):
@@ -61,8 +63,8 @@ def logps(model, rollout):
 def test_trainable_parameters_by_hand_base_frozen_in_the_compute_dtype(toy):
     """Rank 2 on every linear layer of the decoder: 2 * 1088 fp32 adapter parameters train, nothing else; the base
     is held in the compute dtype (bf16 here, as on CUDA), and the optimizer gets the adapters only."""
-    model = infra.load_model(toy["model"], CPU, compute_dtype=torch.bfloat16, lora=lora(2))
-    plain = infra.load_model(toy["model"], CPU)
+    model = models.load_model(toy["model"], CPU, compute_dtype=torch.bfloat16, lora=lora(2))
+    plain = models.load_model(toy["model"], CPU)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert sum(p.numel() for p in trainable.values()) == 2 * PER_RANK == 2176
     assert all(".lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
@@ -70,13 +72,13 @@ def test_trainable_parameters_by_hand_base_frozen_in_the_compute_dtype(toy):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     assert {p.dtype for p in frozen} == {torch.bfloat16}
     total = sum(p.numel() for p in plain.parameters()) + 2176
-    assert infra.lora_metrics(model) == {"perf/trainable_params": 2176, "perf/trainable_frac": 2176 / total}
-    assert infra.lora_metrics(plain) == {}  # full fine-tuning logs what it logged before LoRA existed
-    optimizer, _ = infra.make_optimizer(model, 1e-3, 0.0, 1)
+    assert models.lora_metrics(model) == {"perf/trainable_params": 2176, "perf/trainable_frac": 2176 / total}
+    assert models.lora_metrics(plain) == {}  # full fine-tuning logs what it logged before LoRA existed
+    optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-3, weight_decay=0.0, warmup_updates=1))
     assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == 2176
     # a checkpoint: the adapters and their two AdamW moments, 12 bytes each; the final model: the merged base (bf16)
-    assert infra.checkpoint_bytes(model) == 12 * 2176
-    assert infra.model_bytes(model) == 2 * sum(p.numel() for p in plain.parameters())
+    assert outputs.checkpoint_bytes(model) == 12 * 2176
+    assert outputs.model_bytes(model) == 2 * sum(p.numel() for p in plain.parameters())
 
 
 def test_fresh_adapters_change_nothing_and_their_init_is_seeded(toy):
@@ -84,13 +86,13 @@ def test_fresh_adapters_change_nothing_and_their_init_is_seeded(toy):
     every load), and the global generator is left where it was."""
     rollout = fixed_rollout()
     torch.manual_seed(5)
-    model = infra.load_model(toy["model"], CPU, lora=lora(4, seed=3))
+    model = models.load_model(toy["model"], CPU, lora=lora(4, seed=3))
     after_load = torch.rand(4)
     torch.manual_seed(5)
     assert torch.equal(after_load, torch.rand(4))  # the global stream untouched
-    assert torch.equal(logps(model, rollout), logps(infra.load_model(toy["model"], CPU), rollout))
-    again = infra.load_model(toy["model"], CPU, lora=lora(4, seed=3))
-    other = infra.load_model(toy["model"], CPU, lora=lora(4, seed=4))
+    assert torch.equal(logps(model, rollout), logps(models.load_model(toy["model"], CPU), rollout))
+    again = models.load_model(toy["model"], CPU, lora=lora(4, seed=3))
+    other = models.load_model(toy["model"], CPU, lora=lora(4, seed=4))
     a = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
     weights = [dict(m.named_parameters())[a] for m in (model, again, other)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
@@ -101,13 +103,13 @@ def test_fresh_adapters_change_nothing_and_their_init_is_seeded(toy):
 def test_merged_weights_are_peft_merge_bit_for_bit_and_leave_the_model_untouched(toy, dtype):
     """What vLLM and final/ get: every weight under the plain model's name, a LoRA layer's merged out of place, equal
     to what PEFT's merge writes into a copy (fp32 sum, cast to the base's dtype); the model's own weights unchanged."""
-    model = infra.load_model(toy["model"], CPU, compute_dtype=dtype, lora=lora(2))
+    model = models.load_model(toy["model"], CPU, compute_dtype=dtype, lora=lora(2))
     randomize_adapters(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     merged_by_peft = copy.deepcopy(model)
     for layer in engines.lora_layers(merged_by_peft).values():
         layer.merge()
-    plain_names = [n for n, _ in infra.load_model(toy["model"], CPU).named_parameters(remove_duplicate=False)]
+    plain_names = [n for n, _ in models.load_model(toy["model"], CPU).named_parameters(remove_duplicate=False)]
     entries = engines.plain_parameters(model, remove_duplicate=False)
     assert [name for name, _, _ in entries] == plain_names  # the tied head too, under its own name
     assert sum(layer is not None for _, _, layer in entries) == 14
@@ -128,17 +130,19 @@ def test_the_reference_is_the_base_with_adapters_off(toy):
     policy's differ (trained adapters); no second model is loaded, and the adapters are back on (and trainable)
     after the reference pass."""
     rollout = fixed_rollout()
-    policy = infra.load_model(toy["model"], CPU, lora=lora(2))
+    policy = models.load_model(toy["model"], CPU, lora=lora(2))
     randomize_adapters(policy)
-    reference = infra.reference_model(policy, toy["model"], CPU)
-    assert isinstance(reference, infra.AdaptersOff) and reference.policy is policy
-    base = infra.load_model(toy["model"], CPU, trainable=False)
+    reference = models.reference_model(run.Args(model=toy["model"]), policy, CPU)
+    assert isinstance(reference, models.AdaptersOff) and reference.policy is policy
+    base = models.load_model(toy["model"], CPU, trainable=False)
     on = logps(policy, rollout)
     assert torch.equal(logps(reference, rollout), logps(base, rollout))
     assert (on - logps(base, rollout)).abs().max() > 1e-3
     assert torch.equal(logps(policy, rollout), on)  # adapters back on
     assert all(p.requires_grad for n, p in policy.named_parameters() if ".lora_" in n) and policy.training
-    plain_reference = infra.reference_model(base, toy["model"], CPU)  # full fine-tuning: the model loaded frozen
+    plain_reference = models.reference_model(
+        run.Args(model=toy["model"]), base, CPU
+    )  # full fine-tuning: the model loaded frozen
     assert not any(p.requires_grad for p in plain_reference.parameters())
 
 
@@ -148,7 +152,7 @@ def test_gradient_checkpointing_gives_the_adapters_the_same_gradients(toy):
     batch = common.pad_batch([[3, 5, 7, 9], [4, 6]], [[11, 12, 1], [20, 21, 22, 1]], 0)
     grads = []
     for checkpointing in (False, True):
-        model = infra.load_model(toy["model"], CPU, checkpointing, lora=lora(2))
+        model = models.load_model(toy["model"], CPU, checkpointing, lora=lora(2))
         randomize_adapters(model)
         logp, _ = common.completion_logps(model, batch, 1.0)
         (logp * batch.completion_mask).sum().backward()
@@ -170,9 +174,9 @@ def test_a_model_peft_cannot_wrap_is_one_line():
         def get_output_embeddings(self):
             return self.embed
 
-    assert infra.linear_layer_names(NoLinear()) == []
+    assert models.linear_layer_names(NoLinear()) == []
     with pytest.raises(UserError) as exc:
-        infra.add_lora(NoLinear(), lora(2))
+        models.add_lora(NoLinear(), lora(2))
     line = str(exc.value)
     assert "\n" not in line and line.startswith("--lora-rank 2: PEFT cannot add LoRA adapters to NoLinear")
     assert "without --lora-rank" in line
@@ -184,7 +188,7 @@ def test_a_target_the_model_lacks_stops_before_the_weights_load(toy, tmp_path, m
     import grpo
 
     loaded = []
-    real = infra._from_pretrained
+    real = models._from_pretrained
 
     def record(auto_cls, name, **kw):
         loaded.append(auto_cls.__name__)
@@ -192,11 +196,11 @@ def test_a_target_the_model_lacks_stops_before_the_weights_load(toy, tmp_path, m
             raise AssertionError("the weights were loaded")
         return real(auto_cls, name, **kw)
 
-    monkeypatch.setattr(infra, "_from_pretrained", record)
+    monkeypatch.setattr(models, "_from_pretrained", record)
     flags = tiny.run_flags(toy, tmp_path, "bad", lora_rank=4, lora_targets=["q_proj", "nope"])
     monkeypatch.setattr(sys, "argv", ["grpo.py", *flags])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(grpo.main, grpo.Args)
+        run.command_line(grpo.main, grpo.Args)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(errors) == 1, errors
     assert errors[0] == (
@@ -228,17 +232,20 @@ def test_every_script_trains_adapters_only(method, toy, tmp_path):
     rows = run_script(method, toy, tmp_path, "r2", total_steps=1, lora_rank=2, learning_rate=1e-2)
     train = [r for r in rows if "rollout/reward_mean" in r]
     assert train and all(r["perf/trainable_params"] == 2 * PER_RANK for r in train)
-    run = tmp_path / "r2"
-    adapters = load_file(run / "final_adapter" / "adapter_model.safetensors")
+    run_path = tmp_path / "r2"
+    adapters = load_file(run_path / "final_adapter" / "adapter_model.safetensors")
     assert len(adapters) == 28 and any(v.abs().max() > 0 for k, v in adapters.items() if ".lora_B." in k)
-    final, base = load_file(run / "final" / "model.safetensors"), load_file(os.path.join(toy["model"], "model.safetensors"))
+    final, base = (
+        load_file(run_path / "final" / "model.safetensors"),
+        load_file(os.path.join(toy["model"], "model.safetensors")),
+    )
     assert final.keys() == base.keys()
     scale = 32.0 / 2
     for name in final:
         stem = name.removesuffix(".weight")
-        a_key = f"{infra.PEFT_PREFIX}{stem}.lora_A.weight"
+        a_key = f"{models.PEFT_PREFIX}{stem}.lora_A.weight"
         expected = (
-            base[name] + scale * adapters[f"{infra.PEFT_PREFIX}{stem}.lora_B.weight"] @ adapters[a_key]
+            base[name] + scale * adapters[f"{models.PEFT_PREFIX}{stem}.lora_B.weight"] @ adapters[a_key]
             if a_key in adapters
             else base[name]
         )
@@ -276,7 +283,7 @@ def test_the_learning_test_fails_when_the_engine_samples_without_the_adapters(to
     real = engines.HFEngine.generate
 
     def from_the_base(self, *args, **kwargs):
-        with infra.adapters_disabled(self.model):
+        with models.adapters_disabled(self.model):
             return real(self, *args, **kwargs)
 
     monkeypatch.setattr(engines.HFEngine, "generate", from_the_base)
@@ -319,17 +326,17 @@ def test_final_is_the_merged_model_and_final_adapter_loads_in_peft(lora_run, toy
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = lora_run["run"]
-    final = AutoModelForCausalLM.from_pretrained(str(run / "final"))
-    with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy["model"]), str(run / "final_adapter"))
-    ours = infra.load_model(toy["model"], CPU, lora=lora(2, adapter_dir=str(run / "final_adapter")))
+    run_path = lora_run["run"]
+    final = AutoModelForCausalLM.from_pretrained(str(run_path / "final"))
+    with_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(toy["model"]), str(run_path / "final_adapter"))
+    ours = models.load_model(toy["model"], CPU, lora=lora(2, adapter_dir=str(run_path / "final_adapter")))
     ids = torch.tensor([[3, 5, 7, 9, 11, 12, 13, 14]])
     with torch.no_grad():
         logits = [m(input_ids=ids).logits for m in (final, with_peft, ours)]
         base = AutoModelForCausalLM.from_pretrained(toy["model"])(input_ids=ids).logits
     assert (logits[0] - logits[1]).abs().max() < 1e-5 and (logits[0] - logits[2]).abs().max() < 1e-5
     assert (logits[0] - base).abs().max() > 1e-3  # trained
-    rows = run_script("grpo", toy, tmp_path, "ev", model=str(run / "final"), eval_only=True)
+    rows = run_script("grpo", toy, tmp_path, "ev", model=str(run_path / "final"), eval_only=True)
     assert len(rows) == 1 and "eval/pass@1" in rows[0]
 
 
@@ -355,23 +362,23 @@ def test_resuming_with_other_lora_flags_is_one_line(lora_run, toy):
     """A LoRA checkpoint continues only with its own flags; a full one only with --lora-rank 0."""
     import grpo
 
-    resume = infra.find_resume(str(lora_run["run"]))
+    resume = outputs.find_resume(str(lora_run["run"]))
     assert resume.model_dir == toy["model"]  # what the scripts load: the base
     base_flags = dict(model=toy["model"], resume=str(lora_run["run"]), output_dir=str(lora_run["out"]))
     held = f"--lora-rank 2 --lora-alpha 32 --lora-targets all-linear --model {toy['model']}"
     for flags in (dict(lora_rank=0), dict(lora_rank=4), dict(lora_rank=2, lora_targets=["q_proj"])):
         with pytest.raises(UserError, match=f"its LoRA adapters were trained with {held}; resume with those flags"):
-            infra.lora_settings(grpo.Args(**base_flags, **flags), resume)
+            models.lora_settings(grpo.Args(**base_flags, **flags), resume)
     with pytest.raises(UserError, match="trained with"):
-        infra.lora_settings(grpo.Args(**{**base_flags, "model": "other-org/other-model"}, lora_rank=2), resume)
-    settings = infra.lora_settings(grpo.Args(**base_flags, lora_rank=2), resume)
-    assert settings.adapter_dir == os.path.join(resume.state["checkpoint_dir"], infra.ADAPTER_DIR)
+        models.lora_settings(grpo.Args(**{**base_flags, "model": "other-org/other-model"}, lora_rank=2), resume)
+    settings = models.lora_settings(grpo.Args(**base_flags, lora_rank=2), resume)
+    assert settings.adapter_dir == os.path.join(resume.state["checkpoint_dir"], models.ADAPTER_DIR)
     same_folder = {**base_flags, "model": toy["model"] + "/"}  # the base's folder, written another way
-    assert infra.lora_settings(grpo.Args(**same_folder, lora_rank=2), resume).adapter_dir == settings.adapter_dir
-    full = infra.Resume(str(lora_run["run"]), "runs/x/checkpoints/step_000001/model", {"step": 1})
+    assert models.lora_settings(grpo.Args(**same_folder, lora_rank=2), resume).adapter_dir == settings.adapter_dir
+    full = outputs.Resume(str(lora_run["run"]), "runs/x/checkpoints/step_000001/model", {"step": 1})
     with pytest.raises(UserError, match="a checkpoint of full fine-tuning, which --lora-rank 2 cannot continue"):
-        infra.lora_settings(grpo.Args(**base_flags, lora_rank=2), full)
-    assert infra.lora_settings(grpo.Args(**base_flags), full) is None
+        models.lora_settings(grpo.Args(**base_flags, lora_rank=2), full)
+    assert models.lora_settings(grpo.Args(**base_flags), full) is None
 
 
 def test_the_prepared_gpu_benchmark_runs_on_cpu(tmp_path):

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-import infra
+import models
+import outputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import memory_plan  # noqa: E402
@@ -67,13 +68,13 @@ def test_activation_bytes_are_what_autograd_keeps(shape):
 
 
 def test_the_trainer_state_is_what_a_checkpoint_holds(toy):
-    model = infra.load_model(toy["model"], torch.device("cpu"))
+    model = models.load_model(toy["model"], torch.device("cpu"))
     cfg = model.config.to_dict()
     cfg["attention_bias"] = False  # Llama: no q/k/v biases
     p = memory_plan.plan(cfg, gpus=1)
     assert p["params"] == sum(x.numel() for x in model.parameters())
     state = p["update"]["fp32 weights (4P/W)"] + p["update"]["AdamW moments (8P/W)"]
-    assert state == infra.checkpoint_bytes(model) and p["update"]["fp32 weights (4P/W)"] == infra.model_bytes(model)
+    assert state == outputs.checkpoint_bytes(model) and p["update"]["fp32 weights (4P/W)"] == outputs.model_bytes(model)
     eight = memory_plan.plan(cfg, gpus=8)
     assert eight["update"]["AdamW moments (8P/W)"] == p["update"]["AdamW moments (8P/W)"] / 8  # sharded by FSDP2
-    assert eight["host (per node)"]["load: fp32 model per rank (4P x ranks, transient)"] == 8 * infra.model_bytes(model)
+    assert eight["host (per node)"]["load: fp32 model per rank (4P x ranks, transient)"] == 8 * outputs.model_bytes(model)

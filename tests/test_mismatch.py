@@ -14,8 +14,9 @@ import common
 import engines
 import gapo
 import grpo
-import infra
+import models
 import mugrpo
+import run
 import verifiers
 from tests import tiny
 
@@ -162,12 +163,12 @@ class CopyEngine(engines.HFEngine):
 
 def _run(method, toy, tmp_path, monkeypatch, skip, extra=()):
     mod = importlib.import_module(method)
-    monkeypatch.setattr(infra, "make_engine", lambda kind, model, tokenizer, **kw: CopyEngine(model, tokenizer, skip))
+    monkeypatch.setattr(models, "make_engine", lambda args, model, tokenizer, *a, **kw: CopyEngine(model, tokenizer, skip))
     settings = dict(total_steps=3, max_new_tokens=4, learning_rate=0.05, warmup_updates=0)
     argv = [*tiny.run_flags(toy, tmp_path, f"{method}_{skip}", **settings), *extra]
     if method == "mugrpo":
         argv += ["--updates-per-batch", "2"]
-    mod.main(infra.parse_args(mod.Args, argv))
+    mod.main(run.parse_args(mod.Args, argv))
 
 
 @pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
@@ -194,12 +195,12 @@ def test_engine_that_gets_every_push_passes_and_logs_the_mismatch(toy, tmp_path,
 def test_fp16_is_refused_on_cpu(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--dtype", "fp16", "--output-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(grpo.main, grpo.Args)
+        run.command_line(grpo.main, grpo.Args)
     assert exc.value.code == 2 and "--dtype fp16 needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(verifiers.UserError, match="invalid choice"):
-        infra.parse_args(grpo.Args, ["--dtype", "fp8"])
-    assert infra.model_dtypes(torch.device("cuda"), compute_dtype="fp16") == (torch.float32, torch.float16)
-    assert infra.model_dtypes(torch.device("cpu"), compute_dtype="fp16") == (torch.float32, None)
+        run.parse_args(grpo.Args, ["--dtype", "fp8"])
+    assert models.model_dtypes(torch.device("cuda"), compute_dtype="fp16") == (torch.float32, torch.float16)
+    assert models.model_dtypes(torch.device("cpu"), compute_dtype="fp16") == (torch.float32, None)
 
 
 def _scripts_update(model, opt, scaler, x, step, update):
@@ -215,7 +216,7 @@ def _scripts_update(model, opt, scaler, x, step, update):
 
 def test_loss_scale_skips_a_non_finite_update_and_keeps_a_finite_one():
     model = torch.nn.Linear(3, 1)
-    opt, _ = infra.make_optimizer(model, 0.1, 0.0, 0)
+    opt, _ = models.make_optimizer(model, run.Args(learning_rate=0.1, weight_decay=0.0, warmup_updates=0))
     scaler = torch.amp.GradScaler("cpu", enabled=True)  # --dtype fp16
     before = model.weight.detach().clone()
     norm = _scripts_update(model, opt, scaler, torch.tensor([[1.0, float("inf"), 0.0]]), 1, 1)  # no RunError: skipped

@@ -16,7 +16,7 @@ import torch
 import common
 import engines
 import grpo
-import infra
+import models
 import mugrpo
 from tests import references, tiny
 
@@ -346,7 +346,7 @@ def test_behaviour_logps_are_from_the_stage_start(behav_source, toy, tmp_path, m
 
     assert len(snapshots) == 2 and len(records) == calls["loss"] == calls["veto"] > 0  # veto at every update
     assert calls["no_grad_logps"] == (2 if behav_source == "trainer" else 0)  # once per stage, never recomputed
-    model = infra.load_model(toy["model"], torch.device("cpu"))
+    model = models.load_model(toy["model"], torch.device("cpu"))
     for rec in records:
         model.load_state_dict(snapshots[rec["stage"]])
         with torch.no_grad():

@@ -9,7 +9,8 @@ import torch
 
 import common
 import engines
-import infra
+import models
+import run
 from tests import tiny as tiny_mod
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 14, 15]]
@@ -29,7 +30,7 @@ def _loss(model, tb):
 
 def _train(model, steps: int, lr: float) -> None:
     tb = common.pad_batch(PROMPTS, COMPLETIONS, pad_id=0)
-    optimizer, scheduler = infra.make_optimizer(model, lr, 0.0, warmup_updates=1)
+    optimizer, scheduler = models.make_optimizer(model, run.Args(learning_rate=lr, weight_decay=0.0, warmup_updates=1))
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         _loss(model, tb).backward()
@@ -52,19 +53,19 @@ def _changed(before: dict, after: dict) -> tuple[float, float]:
 
 def test_model_dtypes_per_device():
     cuda, cpu, bf16, fp32 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16, torch.float32
-    assert infra.model_dtypes(cuda) == (fp32, bf16)  # policy: fp32 master weights, bf16 compute
-    assert infra.model_dtypes(cuda, trainable=False) == (bf16, bf16)  # frozen reference: bf16 weights
-    assert infra.model_dtypes(cpu) == (fp32, None) == infra.model_dtypes(cpu, trainable=False)  # CPU unchanged
-    assert infra.model_dtypes(cpu, compute_dtype=bf16) == (fp32, bf16)
+    assert models.model_dtypes(cuda) == (fp32, bf16)  # policy: fp32 master weights, bf16 compute
+    assert models.model_dtypes(cuda, trainable=False) == (bf16, bf16)  # frozen reference: bf16 weights
+    assert models.model_dtypes(cpu) == (fp32, None) == models.model_dtypes(cpu, trainable=False)  # CPU unchanged
+    assert models.model_dtypes(cpu, compute_dtype=bf16) == (fp32, bf16)
 
 
 def test_load_model_dtypes_and_autocast(tiny_path):
     cpu = torch.device("cpu")
-    default = infra.load_model(tiny_path, cpu)
+    default = models.load_model(tiny_path, cpu)
     assert default.autocast_dtype is None and all(p.dtype == torch.float32 for p in default.parameters())
-    mixed = infra.load_model(tiny_path, cpu, compute_dtype=torch.bfloat16)  # what CUDA gets by default
+    mixed = models.load_model(tiny_path, cpu, compute_dtype=torch.bfloat16)  # what CUDA gets by default
     assert mixed.autocast_dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in mixed.parameters())
-    ref = infra.load_model(tiny_path, cpu, trainable=False, compute_dtype=torch.bfloat16)
+    ref = models.load_model(tiny_path, cpu, trainable=False, compute_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ref.parameters()) and not ref.training
     # completion_logps runs the decoder's linear layers in bf16 under autocast; the log-probs come out fp32
     seen = []
@@ -77,7 +78,7 @@ def test_load_model_dtypes_and_autocast(tiny_path):
     diff = (logp_mixed - logp_fp32).abs().max().item()
     assert 0 < diff < 0.05  # bf16 rounding, nothing more
     # the HF engine generates under the same autocast
-    tok = infra.load_tokenizer(tiny_path)
+    tok = models.load_tokenizer(tiny_path)
     hook = mixed.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     engines.HFEngine(mixed, tok).generate(PROMPTS, 1, 3, 1.0, progress=False)
     hook.remove()
@@ -90,11 +91,11 @@ def test_lr_1e6_update_lost_by_bf16_weights_kept_by_fp32_master(tiny_path):
     as much as pure fp32 does."""
     cpu = torch.device("cpu")
     steps, lr = 10, 1e-6
-    old = infra.load_model(tiny_path, cpu).to(torch.bfloat16)  # what load_model gave on CUDA before
+    old = models.load_model(tiny_path, cpu).to(torch.bfloat16)  # what load_model gave on CUDA before
     init = {k: v.detach().clone() for k, v in old.named_parameters()}  # Llama init: std 0.02, a trained size
     assert 0.015 < init["model.layers.0.mlp.up_proj.weight"].float().std().item() < 0.025
-    new = infra.load_model(tiny_path, cpu, compute_dtype=torch.bfloat16)
-    ref = infra.load_model(tiny_path, cpu)
+    new = models.load_model(tiny_path, cpu, compute_dtype=torch.bfloat16)
+    ref = models.load_model(tiny_path, cpu)
     for m in (new, ref):
         m.load_state_dict({k: v.float() for k, v in init.items()}, strict=False)
     with pytest.warns(UserWarning, match="AdamW on torch.bfloat16 parameters"):
@@ -133,7 +134,7 @@ def _count_checkpoint_calls(monkeypatch):
 @pytest.mark.parametrize("flag", [False, True])
 def test_gradient_checkpointing_recomputes_decoder_layers(tiny_path, monkeypatch, flag):
     calls = _count_checkpoint_calls(monkeypatch)
-    model = infra.load_model(tiny_path, torch.device("cpu"), gradient_checkpointing=flag)
+    model = models.load_model(tiny_path, torch.device("cpu"), gradient_checkpointing=flag)
     assert model.training  # from_pretrained's eval mode would silently disable checkpointing
     layers = model.model.layers
     forwards = []
@@ -148,7 +149,7 @@ def test_gradient_checkpointing_recomputes_decoder_layers(tiny_path, monkeypatch
     assert len(forwards) == (2 if flag else 1) * len(layers)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     # same gradients as without checkpointing (dropout is 0 in the tiny config, so training mode changes nothing)
-    plain = infra.load_model(tiny_path, torch.device("cpu"))
+    plain = models.load_model(tiny_path, torch.device("cpu"))
     plain.eval()
     _loss(plain, tb).backward()
     for k, p in plain.named_parameters():
@@ -159,15 +160,15 @@ def test_training_mode_and_dropout_note(tiny_path, tmp_path, capsys):
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(tiny_path).attention_dropout == 0.0
-    infra.load_model(tiny_path, torch.device("cpu"))
+    models.load_model(tiny_path, torch.device("cpu"))
     assert "dropout" not in capsys.readouterr().out
     path = tiny_mod.make_tiny_model(str(tmp_path / "dropout"))
     config = AutoConfig.from_pretrained(path)
     config.attention_dropout = 0.1
     config.save_pretrained(path)
-    model = infra.load_model(path, torch.device("cpu"))
+    model = models.load_model(path, torch.device("cpu"))
     assert model.training and "trains with dropout" in capsys.readouterr().out
-    frozen = infra.load_model(path, torch.device("cpu"), trainable=False)
+    frozen = models.load_model(path, torch.device("cpu"), trainable=False)
     assert not frozen.training
 
 
@@ -201,11 +202,11 @@ def test_hf_engine_ignores_the_models_generation_config(tmp_path, name, temperat
     from transformers import GenerationConfig
 
     path = tiny_mod.make_tiny_model(str(tmp_path / name), seed=3)
-    tok = infra.load_tokenizer(path)
+    tok = models.load_tokenizer(path)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **GENERATION_CONFIGS[name]).save_pretrained(
         path
     )
-    model = infra.load_model(path, torch.device("cpu"))
+    model = models.load_model(path, torch.device("cpu"))
     assert getattr(model.generation_config, next(iter(GENERATION_CONFIGS[name]))) is not None
     saved = model.generation_config.to_dict()
     engine = engines.HFEngine(model, tok, gen_batch_size=16, return_logps=True)

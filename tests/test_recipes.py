@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-import infra
+import models
+import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
@@ -26,10 +27,10 @@ def test_there_is_a_recipe_for_each_method():
 def test_recipe_parses_with_its_script(path):
     script = os.path.basename(path).split("_")[0]
     mod = importlib.import_module(script)
-    values = infra.load_config(path, mod.Args)
+    values = run.load_config(path, mod.Args)
     args = mod.Args(**values)  # every value check of the flags (a bad value raises UserError)
-    assert infra._check_cross(args) is None, infra._check_cross(args)
-    assert args.model != infra.EMBEDDED_MODEL  # a paper-scale model, not the CPU default
+    assert run._check_cross(args) is None, run._check_cross(args)
+    assert args.model != models.EMBEDDED_MODEL  # a paper-scale model, not the CPU default
     with open(path) as f:
         header = "".join(line for line in f if line.startswith("#"))
     for needle in ("Published", "Verifier", "valuation", "Not run here", "Context:", "Disk:"):
@@ -41,22 +42,22 @@ def test_recipe_fits_the_context_of_its_model(path):
     """The model's context is written in the header (tests have no network to read its config.json); the recipe's
     new tokens leave room for a prompt in it, or the recipe extends it with max_position_embeddings."""
     script = os.path.basename(path).split("_")[0]
-    args = importlib.import_module(script).Args(**infra.load_config(path, importlib.import_module(script).Args))
+    args = importlib.import_module(script).Args(**run.load_config(path, importlib.import_module(script).Args))
     with open(path) as f:
         header = "".join(line for line in f if line.startswith("#"))
     model_context = int(re.search(r"Context: \S+ has max_position_embeddings (\d+)", header).group(1))
     context = args.max_position_embeddings or model_context
-    assert infra.context_problem(context, args.max_new_tokens, args.max_prompt_tokens) is None
+    assert models.context_problem(context, args.max_new_tokens, args.max_prompt_tokens) is None
     assert context - args.max_new_tokens >= 512, "a prompt of a math problem needs a few hundred tokens"
     assert args.max_position_embeddings in (0, *([] if model_context >= 32768 else [32768]))  # verl's extension
     assert args.save_every and args.keep_last == 2, "a checkpoint of a 1.5B model is 18.5 GB: keep two at most"
 
 
 def test_the_context_check_reports_both_numbers():
-    assert "--max-new-tokens 8192 leaves no room" in infra.context_problem(4096, 8192)
-    problem = infra.context_problem(4096, 3072, max_prompt_tokens=2048)
+    assert "--max-new-tokens 8192 leaves no room" in models.context_problem(4096, 8192)
+    problem = models.context_problem(4096, 3072, max_prompt_tokens=2048)
     assert "2048" in problem and "3072" in problem and "4096" in problem and "1024" in problem
-    assert infra.context_problem(32768, 8192) is None and infra.context_problem(None, 10**9) is None
+    assert models.context_problem(32768, 8192) is None and models.context_problem(None, 10**9) is None
 
 
 def test_recipes_are_listed_in_their_readme():

@@ -11,7 +11,8 @@ import torch
 import common
 import engines
 import grpo
-import infra
+import models
+import run
 from tests import references, tiny
 
 N_DRAWS = 100_000
@@ -26,12 +27,12 @@ def tiny_path():
 def sharp_path(tiny_path):
     """The tiny model with its final norm scaled by 8: logits of standard deviation ~1 instead of ~0.12 (a nearly
     uniform next token, which a sampler that ignored T would draw just as well)."""
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    model = models.load_model(tiny_path, torch.device("cpu"))
     with torch.no_grad():
         model.model.norm.weight.mul_(8.0)
     path = tempfile.mkdtemp(prefix="sampler_sharp_")
     model.save_pretrained(path)
-    infra.load_tokenizer(tiny_path).save_pretrained(path)
+    models.load_tokenizer(tiny_path).save_pretrained(path)
     return path
 
 
@@ -133,9 +134,9 @@ def test_large_vocabulary_extremes():
 
 def _engine(path, gen_batch_size=64, static_cache=False, **kw):
     """HFEngine, or StaticHFEngine (its loop with a static KV cache, CUDA graphs on a GPU, eager here)."""
-    tok = infra.load_tokenizer(path)
+    tok = models.load_tokenizer(path)
     engine = engines.StaticHFEngine if static_cache else engines.HFEngine
-    return engine(infra.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
+    return engine(models.load_model(path, torch.device("cpu")), tok, gen_batch_size=gen_batch_size, **kw), tok
 
 
 @pytest.mark.parametrize("static_cache", [False, True], ids=["dynamic-cache", "static-cache"])
@@ -254,16 +255,18 @@ def test_without_a_seed_the_global_generator_decides(tiny_path):
 
 # ----- --engine-dtype bf16
 
-ENGINE_KW = dict(model_path="unused", max_model_len=256, seed=0, gen_batch_size=64, gpu_memory_utilization=0.3)
+
+def engine_args(engine_dtype: str) -> run.Args:
+    return run.Args(engine="hf", seed=0, gen_batch_size=64, gpu_memory_utilization=0.3, engine_dtype=engine_dtype)
 
 
 def test_bf16_engine_copy_is_refreshed_at_wake_and_the_trainer_is_untouched(tiny_path):
     """make_engine(engine_dtype="bf16"): generation runs on a bf16 copy (buffers kept fp32), log-probs returned;
     after the trainer's weights change, the copy keeps the old ones until wake(model) copies the new ones (rounded
     to bf16); the trainer's weights stay fp32, unshared and unchanged by the copy."""
-    tok = infra.load_tokenizer(tiny_path)
-    model = infra.load_model(tiny_path, torch.device("cpu"))
-    engine = infra.make_engine("hf", model, tok, engine_dtype="bf16", **ENGINE_KW)
+    tok = models.load_tokenizer(tiny_path)
+    model = models.load_model(tiny_path, torch.device("cpu"))
+    engine = models.make_engine(engine_args("bf16"), model, tok, "unused", 256)
     assert engine.return_logps and engine.sampler is not model
     assert {p.dtype for p in engine.sampler.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
@@ -286,12 +289,12 @@ def test_bf16_engine_copy_is_refreshed_at_wake_and_the_trainer_is_untouched(tiny
 def test_bf16_engine_log_probs_measure_its_own_rounding(tiny_path):
     """The bf16 engine's log-probs of what it drew against the fp32 trainer's: close but not equal (the mismatch
     the run's mismatch/ metrics report); the fp32 engine's are equal to 1e-4."""
-    tok = infra.load_tokenizer(tiny_path)
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    tok = models.load_tokenizer(tiny_path)
+    model = models.load_model(tiny_path, torch.device("cpu"))
     prompts = [common.format_prompt(tok, q) for q in PROMPTS]
     diffs = {}
     for dtype in ("auto", "bf16"):
-        engine = infra.make_engine("hf", model, tok, return_logps=True, engine_dtype=dtype, **ENGINE_KW)
+        engine = models.make_engine(engine_args(dtype), model, tok, "unused", 256, engine_logps=True)
         ro = engine.generate(prompts, 4, 8, 1.0, seed=1, progress=False)
         trainer = common.no_grad_logps(model, ro, range(len(ro)), tok.pad_token_id, 1.0, token_budget=512)
         diffs[dtype] = max(
@@ -311,7 +314,7 @@ def test_bf16_engine_log_probs_measure_its_own_rounding(tiny_path):
 def test_bf16_engine_refusals(flags, needle, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), *flags])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(grpo.main, grpo.Args)
+        run.command_line(grpo.main, grpo.Args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(err) == 1 and needle in err[0]
 
@@ -320,7 +323,7 @@ def test_bf16_engine_refused_under_torchrun(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr("sys.argv", ["grpo.py", "--output-dir", str(tmp_path), "--engine-dtype", "bf16"])
     with pytest.raises(SystemExit) as exc:
-        infra.run_cli(grpo.main, grpo.Args)
+        run.command_line(grpo.main, grpo.Args)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert exc.value.code == 2 and len(err) == 1 and "runs in one process only" in err[0]
 
@@ -355,7 +358,7 @@ def test_static_engine_on_a_bf16_copy_of_a_grouped_query_model(tmp_path):
     torch.manual_seed(1)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "gqa")
     tok.save_pretrained(tmp_path / "gqa")
-    model = infra.load_model(str(tmp_path / "gqa"), torch.device("cpu"))
+    model = models.load_model(str(tmp_path / "gqa"), torch.device("cpu"))
     static = engines.StaticHFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
     dynamic = engines.HFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
     assert static.sampler.config._attn_implementation == engines.GQA_SDPA

@@ -468,9 +468,8 @@ def test_non_root_trainer_gets_the_namespace_sandbox():
         os.mkdir(home)
         with open(os.path.join(home, ".netrc"), "w") as f:
             f.write("machine example.com password hunter2\n")
-        for module in ("verifiers.py", "math_worker.py", "sandbox.py", "sandbox_harness.py"):
-            module = os.path.join(os.path.dirname(V.__file__), module)
-            shutil.copy(module, workdir)
+        shutil.copy(V.__file__, workdir)  # verifiers.py and the sandbox/ folder beside it
+        shutil.copytree(os.path.join(os.path.dirname(V.__file__), "sandbox"), os.path.join(workdir, "sandbox"))
         for root, dirs, files in os.walk(workdir):
             for name in dirs + files:
                 os.chown(os.path.join(root, name), NON_ROOT_UID, NON_ROOT_UID)

@@ -416,10 +416,8 @@ def test_attack_fallback_program_reads_a_non_root_trainer():
         pytest.skip("needs root (to become another user), setpriv and a system python3 any user can run")
     workdir = tempfile.mkdtemp(prefix="verifiers-r3-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     try:
-        here = os.path.dirname(V.__file__)
-        for module in ("verifiers.py", "math_worker.py", "sandbox.py", "sandbox_harness.py"):
-            module = os.path.join(here, module)
-            shutil.copy(module, workdir)
+        shutil.copy(V.__file__, workdir)  # verifiers.py and the sandbox/ folder beside it
+        shutil.copytree(os.path.join(os.path.dirname(V.__file__), "sandbox"), os.path.join(workdir, "sandbox"))
         for root, dirs, files in os.walk(workdir):
             for name in dirs + files:
                 os.chown(os.path.join(root, name), NON_ROOT_UID, NON_ROOT_UID)

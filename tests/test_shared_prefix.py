@@ -13,8 +13,9 @@ import codapo
 import common
 import gapo
 import grpo
-import infra
+import models
 import mugrpo
+import run
 from tests import references, tiny
 
 G, T_MAX = 4, 7
@@ -91,7 +92,7 @@ def assert_same(a, b):
 
 def test_packed_groups_match_rows(tiny_path):
     tok = tiny.make_tokenizer()
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    model = models.load_model(tiny_path, torch.device("cpu"))
     ro = rollout_of(len(tok), tok.eos_token_id)
     rows = list(range(len(ro)))
     packed = common.micro_batches(ro, rows, 1024, model)
@@ -106,7 +107,7 @@ def test_packed_groups_match_rows(tiny_path):
 
 def test_groups_split_over_micro_batches_and_sub_packs(tiny_path):
     tok = tiny.make_tokenizer()
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    model = models.load_model(tiny_path, torch.device("cpu"))
     ro = rollout_of(len(tok), tok.eos_token_id, seed=1)
     rows = list(range(len(ro)))
     small = common.micro_batches(ro, rows, 24, model)  # a group's pack does not fit: sub-packs, several micro-batches
@@ -114,9 +115,9 @@ def test_groups_split_over_micro_batches_and_sub_packs(tiny_path):
     for m in small:  # the budget counts the tokens computed: packs x longest pack
         if m.packs:
             assert common.token_batch_of(ro, m, tok.pad_token_id).input_ids.numel() <= 24 or len(m.packs) == 1
-    split = [half for m in common.micro_batches(ro, rows, 1024, model) for half in infra._split_micro_batch(m)]
+    split = [half for m in common.micro_batches(ro, rows, 1024, model) for half in run._split_micro_batch(m)]
     one_pack = common.MicroBatch.of_packs([list(range(G))])
-    assert [list(h) for h in infra._split_micro_batch(one_pack)] == [[0, 1], [2, 3]]  # sub-packs repeat the prompt
+    assert [list(h) for h in run._split_micro_batch(one_pack)] == [[0, 1], [2, 3]]  # sub-packs repeat the prompt
     reference = logps_and_grads(model, ro, common.micro_batches(ro, rows, 1024), tok.pad_token_id)
     assert_same(logps_and_grads(model, ro, small, tok.pad_token_id), reference)
     assert_same(logps_and_grads(model, ro, split, tok.pad_token_id), reference)
@@ -125,7 +126,7 @@ def test_groups_split_over_micro_batches_and_sub_packs(tiny_path):
 def test_packing_with_gradient_checkpointing_eager_and_qwen2(tiny_path):
     tok = tiny.make_tokenizer()
     for path, ckpt, impl in ((tiny_path, True, "sdpa"), (tiny_path, False, "eager"), (_qwen_path(), False, "sdpa")):
-        model = infra.load_model(path, torch.device("cpu"), gradient_checkpointing=ckpt)
+        model = models.load_model(path, torch.device("cpu"), gradient_checkpointing=ckpt)
         model.config._attn_implementation = impl  # eager adds the mask to the scores: it must be a float mask
         ro = rollout_of(len(tok), tok.eos_token_id, seed=2)
         rows = list(range(len(ro)))
@@ -192,7 +193,7 @@ LOSSES = [
 @pytest.mark.parametrize("name", LOSSES)
 def test_each_methods_loss_has_the_rows_gradient(tiny_path, name):
     tok = tiny.make_tokenizer()
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    model = models.load_model(tiny_path, torch.device("cpu"))
     ro = rollout_of(len(tok), tok.eos_token_id, seed=3)
     rows, loss = list(range(len(ro))), _losses(ro)[name]
     assert_same(
@@ -203,7 +204,7 @@ def test_each_methods_loss_has_the_rows_gradient(tiny_path, name):
 
 def test_batch_logps_packs_too(tiny_path):
     tok = tiny.make_tokenizer()
-    model = infra.load_model(tiny_path, torch.device("cpu"))
+    model = models.load_model(tiny_path, torch.device("cpu"))
     ro = rollout_of(len(tok), tok.eos_token_id, seed=4)
     rows = list(range(len(ro)))
     packed = common.no_grad_logps(model, ro, rows, tok.pad_token_id, 1.0, 1024)

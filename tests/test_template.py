@@ -111,7 +111,7 @@ def test_template_sections_present_in_order(method):
     with open(os.path.join(ROOT, f"{method}.py")) as f:
         text = f.read()
     markers = [
-        "class Args(infra.Args):",
+        "class Args(run.Args):",
         "# ALGO LOGIC: advantages",
         "def compute_advantages(",
         "# ALGO LOGIC: policy loss",

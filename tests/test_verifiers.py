@@ -675,10 +675,11 @@ def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
 def test_attack_math_worker_does_not_load_code_from_disk(monkeypatch, tmp_path):
     """Math workers run code held in memory: a rewritten math_worker.py on disk (which a program
     could write where the file system is not protected) does not change any math reward."""
-    source = open(os.path.join(os.path.dirname(V.__file__), "math_worker.py"), encoding="utf-8").read()
+    source = open(os.path.join(os.path.dirname(V.__file__), "sandbox", "math_worker.py"), encoding="utf-8").read()
     tampered = source.replace("def verify_pair(", "def verify_pair(*a):\n    return True\n\n\ndef _x(")
     assert tampered != source
-    (tmp_path / "math_worker.py").write_text(tampered)
+    (tmp_path / "sandbox").mkdir()
+    (tmp_path / "sandbox" / "math_worker.py").write_text(tampered)
     (tmp_path / "verifiers.py").write_text(open(V.__file__, encoding="utf-8").read())
     V.close_math_workers()
     monkeypatch.setattr(V, "__file__", str(tmp_path / "verifiers.py"))

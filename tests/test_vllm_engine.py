@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import engines
-import infra
+import models
+import run
 import verifiers
 from engines import VLLMEngine, hf_param_name
 from tests import fake_vllm, tiny  # noqa: E402
@@ -499,10 +500,11 @@ def _tokenizer():
 
 
 def test_make_engine_vllm_on_cpu_uses_float32(fake_cpu):
-    import infra
+    import models
+    import run
 
-    eng = infra.make_engine(
-        "vllm", Tiny(), _tokenizer(), model_path="/m", max_model_len=64, seed=0, gen_batch_size=8, gpu_memory_utilization=0.3
+    eng = models.make_engine(
+        run.Args(engine="vllm", seed=0, gen_batch_size=8, gpu_memory_utilization=0.3), Tiny(), _tokenizer(), "/m", 64
     )
     assert isinstance(eng, VLLMEngine) and eng.dtype == torch.float32
     assert calls(fake_cpu, "LLM.__init__")[0][1]["kwargs"]["dtype"] == "float32"
@@ -518,15 +520,8 @@ def test_make_engine_auto_on_cpu_keeps_hf(fake_cpu, monkeypatch):
     class GenModel(Tiny):
         generation_config = None
 
-    eng = infra.make_engine(
-        "auto",
-        GenModel(),
-        _tokenizer(),
-        model_path="/m",
-        max_model_len=64,
-        seed=0,
-        gen_batch_size=8,
-        gpu_memory_utilization=0.3,
+    eng = models.make_engine(
+        run.Args(engine="auto", seed=0, gen_batch_size=8, gpu_memory_utilization=0.3), GenModel(), _tokenizer(), "/m", 64
     )
     assert isinstance(eng, engines.HFEngine)
     assert not calls(fake_cpu, "LLM.__init__")
@@ -536,9 +531,9 @@ def test_engine_vllm_without_vllm_is_a_user_error(monkeypatch, tmp_path):
     """Checked once, with the flags, before anything loads (make_engine no longer repeats it)."""
     import grpo
 
-    monkeypatch.setattr(infra.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(verifiers.UserError, match="needs vLLM"):
-        infra.validate_args(grpo.Args(engine="vllm", output_dir=str(tmp_path)))
+        run.validate_args(grpo.Args(engine="vllm", output_dir=str(tmp_path)))
 
 
 def test_engine_logps_are_finite(fake):
@@ -572,7 +567,7 @@ def _fake_world(monkeypatch, world, rank):
     """The World that init_world would make under torchrun (the engine reads it; no process group is needed)."""
     import common
 
-    monkeypatch.setattr(common, "_WORLD", infra.DistributedWorld(rank, world, rank, torch.device("cpu")))
+    monkeypatch.setattr(common, "_WORLD", run.DistributedWorld(rank, world, rank, torch.device("cpu")))
 
 
 def test_constructor_under_torch_distributed(fake, monkeypatch):
@@ -660,8 +655,8 @@ def test_push_gathers_fsdp2_dtensors(fake, one_rank_group, monkeypatch):
 
 def lora_model(toy_model: str, dtype=torch.float32):
     """The tiny Llama with rank-2 LoRA adapters on every linear layer, set to values as training would."""
-    model = infra.load_model(
-        toy_model, torch.device("cpu"), compute_dtype=dtype, lora=infra.LoRA(2, 32.0, ("all-linear",), "")
+    model = models.load_model(
+        toy_model, torch.device("cpu"), compute_dtype=dtype, lora=models.LoRA(2, 32.0, ("all-linear",), "")
     )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -694,7 +689,7 @@ def test_push_of_a_lora_model_sends_the_merged_weights_under_the_base_names(fake
     dtype), under the base's names, no adapter tensor; the trainer's weights are untouched (no merge and unmerge)."""
     import copy
 
-    plain_names = [n for n, _ in infra.load_model(toy["model"], torch.device("cpu")).named_parameters(remove_duplicate=False)]
+    plain_names = [n for n, _ in models.load_model(toy["model"], torch.device("cpu")).named_parameters(remove_duplicate=False)]
     fake.state.expected_weight_names = set(plain_names)  # a name vLLM could not place fails the push
     model = lora_model(toy["model"], torch.bfloat16)  # the base in bf16, as on CUDA
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -779,8 +774,8 @@ def test_a_run_frees_the_gradients_before_each_wake_and_pushes_once_per_weight_v
             Recording.pushes += 1
             super().push_weights(model)
 
-    make = lambda kind, model, tokenizer, **kw: Recording(model, tokenizer, return_logps=True, dtype=torch.bfloat16)  # noqa: E731
-    monkeypatch.setattr(infra, "make_engine", make)
+    make = lambda args, model, tokenizer, *rest, **kw: Recording(model, tokenizer, return_logps=True, dtype=torch.bfloat16)  # noqa: E731
+    monkeypatch.setattr(models, "make_engine", make)
     grpo.main(grpo.Args(**tiny.run_settings(toy, tmp_path, "run", eval_every=1)))
     assert Recording.wakes == [(0, True), (0, True), (2, True), (2, True), (4, True)]  # 2 updates per step
     assert Recording.pushes == 3
@@ -797,11 +792,11 @@ def test_engine_auto_with_a_vllm_that_does_not_import_is_one_line_before_anythin
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = str(tmp_path / "runs")
     with pytest.raises(verifiers.UserError) as error:
-        infra.validate_args(grpo.Args(output_dir=out))
+        run.validate_args(grpo.Args(output_dir=out))
     assert str(error.value) == (
         "--engine auto picks vLLM here (a GPU and vLLM are present), but `import vllm` fails (ImportError: "
         "libcudart.so.13: cannot open shared object file); fix the install or use --engine hf"
     )
     with pytest.raises(verifiers.UserError, match=r"--engine vllm needs vLLM, but `import vllm` fails \(ImportError"):
-        infra.validate_args(grpo.Args(engine="vllm", output_dir=out))
-    infra.validate_args(grpo.Args(engine="hf", output_dir=out))  # the HF engine never imports it
+        run.validate_args(grpo.Args(engine="vllm", output_dir=out))
+    run.validate_args(grpo.Args(engine="hf", output_dir=out))  # the HF engine never imports it

@@ -39,7 +39,8 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 import common  # noqa: E402
-import infra
+import models
+import run
 from tests import fake_vllm, tiny  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,19 +59,16 @@ def real():
     """One engine for the module (vLLM start-up is the slow part): trainer model + VLLMEngine as make_engine builds it."""
     for k, v in TEST_ENV.items():
         os.environ.setdefault(k, v)
-    infra.set_cpu_threads()  # before vLLM replaces torch.set_num_threads with a no-op
-    device = infra.pick_device()
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, device)
-    engine = infra.make_engine(
-        "vllm",
+    run.set_cpu_threads()  # before vLLM replaces torch.set_num_threads with a no-op
+    device = run.pick_device()
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, device)
+    engine = models.make_engine(
+        run.Args(engine="vllm", seed=0, gen_batch_size=64, gpu_memory_utilization=0.35),
         model,
         tokenizer,
-        model_path=infra.EMBEDDED_MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        seed=0,
-        gen_batch_size=64,
-        gpu_memory_utilization=0.35,
+        models.EMBEDDED_MODEL,
+        MAX_MODEL_LEN,
     )
     prompts = [common.format_prompt(tokenizer, q) for q in QUESTIONS]
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -216,8 +214,8 @@ def test_push_of_a_lora_policy_serves_its_merged_weights(real):
     under the base's names: its log-probs are the LoRA policy's within the usual tolerance, and the base's (what a
     push of the base weights alone would serve) are more than WRONG_MIN away."""
     engine, pad = real["engine"], real["tokenizer"].pad_token_id
-    lora = infra.LoRA(8, 32.0, ("all-linear",), infra.EMBEDDED_MODEL)
-    policy = infra.load_model(infra.EMBEDDED_MODEL, infra.pick_device(), lora=lora)
+    lora = models.LoRA(8, 32.0, ("all-linear",), models.EMBEDDED_MODEL)
+    policy = models.load_model(models.EMBEDDED_MODEL, run.pick_device(), lora=lora)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -423,7 +421,7 @@ def easy_data(tmp_path_factory):
 def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
     flags = [
         "--model",
-        infra.EMBEDDED_MODEL,
+        models.EMBEDDED_MODEL,
         "--engine",
         "vllm",
         "--dataset",
@@ -584,7 +582,7 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     mismatch/abs_log_rho_mean) 7.4e-6 / 9.7e-6 (max 4.3e-5)."""
     flags = [
         "--model",
-        infra.EMBEDDED_MODEL,
+        models.EMBEDDED_MODEL,
         "--engine",
         "vllm",
         "--dataset",

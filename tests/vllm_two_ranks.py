@@ -2,7 +2,7 @@
 
 Launched as `python -m torch.distributed.run --standalone --nproc-per-node 2 tests/vllm_two_ranks.py OUT_DIR` in
 the vLLM venv. Each rank: gloo process group, the embedded model sharded with FSDP2 (`fully_shard` on each decoder
-layer, then the root), `infra.make_engine("vllm", ...)` (external_launcher, one engine per rank; its first push
+layer, then the root), `models.make_engine("vllm", ...)` (external_launcher, one engine per rank; its first push
 gathers the DTensor shards), then
 
   1. rollout of this rank's groups (rank r: global groups r and r + 2 of PROMPTS) on the original weights;
@@ -69,15 +69,16 @@ def main(out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     import common
-    import infra
+    import models
+    import run
 
     t0 = time.time()
-    infra.init_world()  # the process group (gloo on CPU) and the World the engine reads
+    run.init_world()  # the process group (gloo on CPU) and the World the engine reads
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     assert world == 2, world
     device = torch.device("cpu")
-    tokenizer = infra.load_tokenizer(infra.EMBEDDED_MODEL)
-    model = infra.load_model(infra.EMBEDDED_MODEL, device)
+    tokenizer = models.load_tokenizer(models.EMBEDDED_MODEL)
+    model = models.load_model(models.EMBEDDED_MODEL, device)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -99,15 +100,12 @@ def main(out_dir: str) -> None:
         return [lp[i, : len(c)].tolist() for i, c in enumerate(tiny.completions(rollout))]
 
     t_setup = time.time() - t0
-    engine = infra.make_engine(
-        "vllm",
+    engine = models.make_engine(
+        run.Args(engine="vllm", seed=0, gen_batch_size=8, gpu_memory_utilization=0.35),
         model,
         tokenizer,
-        model_path=infra.EMBEDDED_MODEL,
-        max_model_len=MAX_MODEL_LEN,
-        seed=0,
-        gen_batch_size=8,
-        gpu_memory_utilization=0.35,
+        models.EMBEDDED_MODEL,
+        MAX_MODEL_LEN,
     )
     t_engine = time.time() - t0 - t_setup
     groups = list(range(rank, len(QUESTIONS), world))

@@ -1,12 +1,12 @@
 """The code sandbox: process isolation, the judge, per-run cgroups and seccomp for one program.
 
-verifiers.py builds a job from a completion and a problem (`verifiers._code_job`) and calls `run(job, timeout)`;
+verifiers.py builds a job from a completion and a problem (`verifiers.code_job`) and calls `run(job, timeout)`;
 everything that isolates the program lives here (docs/verifiers.md, "Security of the rewards"):
 - `run(job, timeout, mode=None) -> SandboxResult`: one run of the job in a fresh sandbox, at most one per core.
 - `sandbox_mode()`: the mode chosen on this machine by a probe run ("namespaces", "namespaces-noproc",
   "fallback").
 - `hide_from_sandbox(path)`: mask a data file in every later run.
-The trusted code that runs inside a run (stages 0 and 1, the judge, the runner) is `sandbox_harness.py`: read
+The trusted code that runs inside a run (stages 0 and 1, the judge, the runner) is `sandbox/harness.py`: read
 into memory once, at import, and started from that copy (`python -I -S -c <source>`), so a program that could
 write somewhere cannot change what later runs execute.
 """
@@ -96,7 +96,7 @@ FALLBACK_LIMITS = (
 # and 1 and the judge). It reports "started" and, only after the last test passed, "passed" through a pipe
 # whose tokens the parent drew at random; the program runs in a runner process that cannot reach either.
 # Read once, here: later runs start from this copy, never from the file.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py"), encoding="utf-8") as _f:
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness.py"), encoding="utf-8") as _f:
     _HARNESS_SRC = _f.read()
 del _f
 
@@ -178,7 +178,7 @@ _PROBE_PROGRAM = (
     "import os\ntry:\n    open(os.path.join('..', 'probe'), 'w').close()\n    WRITABLE = True\n"
     "except OSError:\n    WRITABLE = False\n\ndef add(a, b):\n    return 0 if WRITABLE else a + b\n"
 )
-_PROBE_JOB = {  # what verifiers._code_job makes of the two
+_PROBE_JOB = {  # what verifiers.code_job makes of the two
     "mode": "humaneval",
     "program": _PROBE_PROGRAM,
     "entry_point": "add",
@@ -819,7 +819,7 @@ def _remove_folder(path: str) -> None:
 
 def run(job: dict, timeout: float, mode: str | None = None) -> SandboxResult:
     """Run one job in a fresh sandbox; at most one run per core at a time. A job (made by
-    `verifiers._code_job`): `mode` ("humaneval", "mbpp", "stdio"), `program` (the source), for HumanEval
+    `verifiers.code_job`): `mode` ("humaneval", "mbpp", "stdio"), `program` (the source), for HumanEval
     `entry_point`, and `secret`, what only the judge may read (HumanEval: `test`, `prompt`, `prompt_helpers`;
     MBPP: `tests`, `setup`; stdio: `inputs`, `outputs`)."""
     mode = mode or sandbox_mode()
