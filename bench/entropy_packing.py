@@ -32,7 +32,7 @@ try:  # a checkout before common.py was split in three holds everything in commo
     import engines
     import models
 except ImportError:
-    engines = infra = common
+    engines = models = common
 
 batch_of = getattr(common, "token_batch_of", None) or common.rows_batch  # the older name
 torch.manual_seed(1)

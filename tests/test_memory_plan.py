@@ -1,6 +1,6 @@
 """bench/memory_plan.py against the models themselves: its parameter count against the modules transformers builds
 from each config, its activation bytes against what autograd really keeps for backward under bf16 autocast
-(saved_tensors_hooks on the CPU), its trainer state against infra's checkpoint size. A GPU run checks the whole
+(saved_tensors_hooks on the CPU), its trainer state against outputs.checkpoint_bytes. A GPU run checks the whole
 estimate against torch.cuda.max_memory_allocated (bench/gpu_check.py; docs/performance.md)."""
 
 from __future__ import annotations
