@@ -1,12 +1,13 @@
 """Models: what a run loads before its first step, in the order it loads it. A reader following one step skips it.
 
-where a name points  model_flag_problem (--model checked before anything loads), resolve_model_path (the embedded
-                     alias converted once, embedded_model_dir; a checkpoint folder's model/), hf_folder_problem,
-                     load_tokenizer
+where a name points  model_flag_problem (--model checked before anything loads; model_name_problem: any model
+                     name), resolve_model_path (the embedded alias converted once, embedded_model_dir; a checkpoint
+                     folder's model/), hf_folder_problem, load_tokenizer
 the context          fit_context: every prompt against the model's context, before the weights load
 loaders              load_policy (load_model: fp32 master weights, bf16/fp16 autocast on CUDA; --compile:
                      compile_model; torchrun: shard_model, FSDP2), set_model_traits (common.ModelTraits: what the
                      step reads from a model)
+frozen models        load_frozen (a reference or a teacher: compute dtype, no grad; FSDP2-sharded under torchrun)
 LoRA                 lora_settings (--lora-rank: the adapters, or what a checkpoint holds) -> load_policy(lora=)
                      (add_lora: PEFT's layers on the frozen base), reference_model (--beta: the initial model, or the
                      base with the adapters off), lora_metrics; adapter folders (save_adapter, load_adapter)
@@ -44,23 +45,31 @@ CACHE_DIR = os.environ.get("RLVR_CACHE", os.path.join(os.path.expanduser("~"), "
 
 
 def model_flag_problem(args) -> str | None:
-    name = args.model
-    if name == EMBEDDED_MODEL or (args.resume and args.beta == 0):
-        return None  # the embedded model is converted on first use; a resumed run loads its checkpoint
+    """--model checked before anything loads (model_name_problem); None: fine, or a resumed run (its checkpoint)."""
+    if args.resume and args.beta == 0:
+        return None  # a resumed run loads its checkpoint
+    return model_name_problem(
+        args.model, "--model", "; pass the run's merged model (<run>/final), or continue the run with --resume"
+    )
+
+
+def model_name_problem(name: str, flag: str, adapters_hint: str = "; pass the run's merged model (<run>/final)") -> str | None:
+    """What makes `name`, the value of `flag`, not a model to load, in one line: LoRA adapters without their base, an
+    incomplete folder, a file, a path that does not exist. None: the embedded alias, a complete folder (a checkpoint's
+    too) or a hub id (owner/name)."""
+    if name == EMBEDDED_MODEL:
+        return None  # converted on first use
     if os.path.isdir(name) and (
         os.path.isfile(os.path.join(name, "adapter_config.json")) or os.path.isdir(os.path.join(name, ADAPTER_DIR))
     ):
-        return (
-            f"--model {name}: LoRA adapters without their base model; pass the run's merged model (<run>/final), or "
-            "continue the run with --resume"
-        )
+        return f"{flag} {name}: LoRA adapters without their base model{adapters_hint}"
     if os.path.isdir(name):
         problem = hf_folder_problem(
             checkpoint_model_dir(name) if not os.path.isfile(os.path.join(name, "config.json")) else name
         )
-        return f"--model {name}: {problem}" if problem else None
+        return f"{flag} {name}: {problem}" if problem else None
     if os.path.exists(name):
-        return f"--model {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
+        return f"{flag} {name} is a file; pass a transformers model folder, a hub id or {EMBEDDED_MODEL}"
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:  # a path, not a hub id (owner/name)
         return f"cannot load model '{name}': no such folder (and not a hub id owner/name)"
     return None
@@ -648,12 +657,18 @@ class AdaptersOff:
 
 
 def reference_model(args, policy, device: torch.device):
-    """The frozen reference of --beta: the initial model --model, loaded frozen in the compute dtype (--dtype;
-    FSDP2-sharded under torchrun); a LoRA policy's own base instead (AdaptersOff: no second copy)."""
+    """The frozen reference of --beta: the initial model --model (load_frozen); a LoRA policy's own base instead
+    (AdaptersOff: no second copy)."""
     if common.model_traits(policy).lora is not None:
         return AdaptersOff(policy)
+    return load_frozen(args, args.model, device)
+
+
+def load_frozen(args, name: str, device: torch.device):
+    """A frozen model of its own (a reference, a teacher): loaded in the compute dtype (--dtype), eval mode, no grad, no
+    optimizer state, its context as the policy's (--max-position-embeddings); FSDP2-sharded under torchrun."""
     frozen = load_model(
-        args.model,
+        name,
         device,
         trainable=False,
         compute_dtype=args.dtype,

@@ -33,7 +33,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("grpo", "gapo", "mugrpo", "codapo")
+SCRIPTS = ("grpo", "gapo", "mugrpo", "codapo", "opd")
 ROOMS = ("outputs", "run", "models")  # the run's infrastructure, in rooms by purpose
 SHARED = (*ROOMS, "engines", "common")  # the files whose definitions the reach follows
 LAYERS = [SCRIPTS, ("outputs",), ("run",), ("models",), ("engines",), ("common",), ("verifiers",), ("sandbox",)]  # top down

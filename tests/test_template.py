@@ -18,7 +18,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = [m for m in ("grpo", "gapo", "mugrpo", "codapo") if os.path.exists(os.path.join(ROOT, f"{m}.py"))]
+METHODS = [m for m in ("grpo", "gapo", "mugrpo", "codapo", "opd") if os.path.exists(os.path.join(ROOT, f"{m}.py"))]
 BLOCK_START = re.compile(r"^\s*# ALGO LOGIC")
 BLOCK_END = re.compile(r"^(\s*# TRY NOT TO MODIFY|def main\(|if __name__)")
 INLINE = re.compile(r"#\s*ALGO LOGIC\s*$")
