@@ -147,6 +147,8 @@ def script_flags(toy, out, run_name, method, extra=()):
     settings = dict(num_generations=4, max_new_tokens=4, eval_limit=5, micro_batch_tokens=24, save_every=1)
     if method == "mugrpo":  # a stage of mu = 2 updates of 2 prompts
         settings["updates_per_batch"] = 2
+    if method == "opd":  # the teacher: another tiny model, FSDP2-sharded like the policy
+        settings["teacher"] = tiny.teacher_model(toy)
     return tiny.run_flags(toy, out, run_name, **settings) + list(extra)
 
 
@@ -176,7 +178,7 @@ def assert_rows_close(rows1: list[dict], rows2: list[dict]) -> None:
                 assert a[k] == b[k], (k, a[k], b[k])
 
 
-@pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo"])
+@pytest.mark.parametrize("method", ["grpo", "gapo", "mugrpo", "codapo", "opd"])
 def test_scripts_two_ranks_equal_one_rank(toy, tmp_path, method):
     """The real main() of each script, 2 steps with a checkpoint each, on rollouts that do not depend on the
     split (ScriptedEngine): rewards, losses, grad norms, clip fractions, CoDaPO's selections, evaluations and
@@ -194,6 +196,8 @@ def test_scripts_two_ranks_equal_one_rank(toy, tmp_path, method):
     assert len(train) >= 2 and any(r["losses/policy_loss"] != 0 for r in train)  # something was learned from
     if method == "codapo":
         assert any("codapo/selected" in r for r in rows1)
+    if method == "opd":  # the teacher scored every row on both ranks: the batch's reverse KL is the one process's
+        assert all(r["opd/reverse_kl"] != 0 for r in rows1 if "opd/reverse_kl" in r)
     assert_rows_close(rows1, rows2)
     w1, w2 = final_weights(runs[1]), final_weights(runs[2])
     assert w1.keys() == w2.keys()

@@ -16,11 +16,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer():
+def make_tokenizer(chars: list[str] | None = None):
+    """The char tokenizer of the tiny model (`chars`: its characters in another order, a tokenizer of other ids)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS + ["<unk>"])}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + (chars or CHARS) + ["<unk>"])}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -138,3 +139,12 @@ def as_flags(settings: dict) -> list[str]:
 def run_flags(toy: dict, out, run_name: str, **overrides) -> list[str]:
     """run_settings as command-line flags."""
     return as_flags(run_settings(toy, out, run_name, **overrides))
+
+
+def teacher_model(toy: dict) -> str:
+    """A second tiny model with the toy task's tokenizer (another seed, larger weights: its next-token distributions are
+    peaked where the toy model's are near uniform): a teacher for opd.py, made once per toy."""
+    path = pathlib.Path(toy["dir"]) / "teacher"
+    if not (path / "config.json").exists():
+        make_tiny_model(str(path), seed=1, init_range=0.5)  # a peaked teacher, far from the near-uniform student
+    return str(path)
