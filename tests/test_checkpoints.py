@@ -287,7 +287,9 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_before_it_is_written(sa
     usage = shutil.disk_usage(run_path)
     need = outputs.checkpoint_bytes(model)
     monkeypatch.setattr(outputs.shutil, "disk_usage", lambda path: usage._replace(free=need // 2))
-    with pytest.raises(verifiers.RunError, match=rf"checkpoint of step 4 needs about .*, .* are free on .*--resume {run}"):
+    with pytest.raises(
+        verifiers.RunError, match=rf"checkpoint of step 4 needs about .*, .* are free on .*--resume {run_path}"
+    ):
         _save(saved, 4, keep_last=2)
     assert sorted(os.listdir(run_path / "checkpoints")) == ["step_000003"]  # retired by --keep-last 2; nothing half-written
     assert outputs.find_resume(str(run_path))[2]["step"] == 3

@@ -394,6 +394,7 @@ E2E = [
     ("mugrpo", ["--updates-per-batch", "2", "--temperature", "0.7", "--behav-logp", "engine"]),
     ("grpo", ["--dynamic-sampling", "--max-sampling-rounds", "3"]),
     ("grpo", ["--lora-rank", "8", "--learning-rate", "1e-4", "--beta", "0.05"]),  # merged weights pushed at each wake
+    ("opd", ["--teacher", models.EMBEDDED_MODEL, "--opd-reward"]),  # the student's own start teaches: KL 0 at step 1
 ]
 E2E_IDS = [
     f"{m}{'-behav-engine' if x[-1:] == ['engine'] else '-dynamic' if '--dynamic-sampling' in x else ''}"
@@ -469,6 +470,9 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
         assert all(1 <= r["dynamic/rounds"] <= 3 and r["dynamic/sampled_groups"] == 2 * r["dynamic/rounds"] for r in train)
         assert all(r["dynamic/kept_groups"] + r["dynamic/filler_groups"] == 2 for r in train)
     print(f"{method}: step rewards {[r['rollout/reward_mean'] for r in train]}, learning signal {signal}")
+    if method == "opd":  # the vLLM engine samples, the frozen teacher scores with the trainer's forward
+        print(f"opd: opd/reverse_kl per step {[r['opd/reverse_kl'] for r in train]}")
+        assert abs(train[0]["opd/reverse_kl"]) < 1e-6 and all("opd/teacher_logp" in r for r in train)
     if "--behav-logp" in extra:
         # behaviour log-probs come from the engine (at T = 0.7): no trainer pass to compare (mismatch/ is 0, below);
         # the first update of each stage (its row carries the rollout metrics) runs under the weights the engine
