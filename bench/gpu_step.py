@@ -248,7 +248,7 @@ def run_config(name: str, a, device: torch.device, peak_tflops: float | None) ->
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, tokenizer = build_model(name, a.model, device, dtype, a.gradient_checkpointing)
-    model.autocast_dtype = autocast_dtype  # read by common.autocast_context in generation and log-probs
+    models.set_model_traits(model, autocast_dtype=autocast_dtype)  # read by common.autocast_context
     a.config_name = name
     out = {
         "config": name if not a.model else a.model,

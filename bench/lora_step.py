@@ -76,7 +76,7 @@ def one_arm(a) -> dict:
     if lora is not None:
         models.add_lora(model, lora, log=False)
         model.to(device)
-    model.autocast_dtype = autocast_dtype
+    models.set_model_traits(model, autocast_dtype=autocast_dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     trainable, total = models.trainable_params(model)

@@ -199,7 +199,7 @@ def run_update(model_path: str, out_path: str, control: str = "") -> None:
             for layer in models.decoder_layers(model):
                 fully_shard(layer)
             fully_shard(model)
-            model.rlvr_completion_logps = common._completion_logps.__get__(model)
+            model.rlvr_completion_logps = common.completion_logps_forward.__get__(model)
             register_fsdp_forward_method(model, "rlvr_completion_logps")
         else:
             model = models.shard_model(model)

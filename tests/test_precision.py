@@ -62,9 +62,10 @@ def test_model_dtypes_per_device():
 def test_load_model_dtypes_and_autocast(tiny_path):
     cpu = torch.device("cpu")
     default = models.load_model(tiny_path, cpu)
-    assert default.autocast_dtype is None and all(p.dtype == torch.float32 for p in default.parameters())
+    assert common.model_traits(default).autocast_dtype is None and all(p.dtype == torch.float32 for p in default.parameters())
     mixed = models.load_model(tiny_path, cpu, compute_dtype=torch.bfloat16)  # what CUDA gets by default
-    assert mixed.autocast_dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in mixed.parameters())
+    assert common.model_traits(mixed).autocast_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in mixed.parameters())
     ref = models.load_model(tiny_path, cpu, trainable=False, compute_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ref.parameters()) and not ref.training
     # completion_logps runs the decoder's linear layers in bf16 under autocast; the log-probs come out fp32
