@@ -23,6 +23,8 @@ import torch
 import models
 from tests import tiny
 
+pytestmark = pytest.mark.slow  # processes under torchrun: left out of the quick tier, pytest -m "not slow"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "dist_worker.py")
 GRAD_REL_TOL = 1e-6  # |g2 - g1| / |g1| over all parameters

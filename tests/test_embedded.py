@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the embedded model's conversion: left out of the quick tier, pytest -m "not slow"
+
 
 def test_embedded_model_converts_once_and_generates(tmp_path, monkeypatch):
     import common

@@ -19,6 +19,8 @@ import run
 import verifiers
 from tests import tiny
 
+pytestmark = pytest.mark.slow  # whole runs of the features: left out of the quick tier, pytest -m "not slow"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REWARD_FILE = """

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the GPU check's dry run: left out of the quick tier, pytest -m "not slow"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = [
     "model", "grpo", "gapo", "mugrpo", "codapo", "resume", "eval-only", "precision", "torchrun", "torchrun-resume",

@@ -18,6 +18,8 @@ import run
 import verifiers
 from tests import tiny
 
+pytestmark = pytest.mark.slow  # --compile and the GPU path on the CPU: left out of the quick tier, pytest -m "not slow"
+
 
 def _rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

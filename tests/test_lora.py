@@ -24,6 +24,8 @@ import run
 from tests import tiny
 from verifiers import UserError
 
+pytestmark = pytest.mark.slow  # LoRA runs: left out of the quick tier, pytest -m "not slow"
+
 CPU = torch.device("cpu")
 # the tiny Llama (hidden 32, intermediate 64, 2 layers, 2 heads of 16): q, k, v, o are 32 -> 32, gate and up 32 -> 64,
 # down 64 -> 32; an adapter of rank r on a (in -> out) layer holds r * (in + out) parameters

@@ -25,7 +25,7 @@ import sandbox as S
 import verifiers as V
 from tests.test_verifiers import ADD, ATTACK_MODES, clean_sandbox  # noqa: F401 - the fixture, used below
 
-pytestmark = pytest.mark.usefixtures("clean_sandbox")
+pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slow: the sandbox's attacks
 
 NAMESPACE_ATTACK_MODES = [m for m in ATTACK_MODES if m != "fallback"]
 FALLBACK_HAS_NO_NAMESPACES = "the fallback has no namespaces: the program is the trainer's user (documented limit)"

@@ -29,7 +29,7 @@ try:
 except ImportError:  # the code before round three kept the sandbox in verifiers.py (how these tests ran on it)
     S = V
 
-pytestmark = pytest.mark.usefixtures("clean_sandbox")
+pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slow: the sandbox's attacks
 
 # ---------------------------------------------------------------------------------------------
 # 2. No feedback: every case runs, the verdict comes only at the end

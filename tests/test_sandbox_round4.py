@@ -34,7 +34,7 @@ import sandbox as S
 import verifiers as V
 from tests.test_verifiers import MODES, NAMESPACE_MODES, clean_sandbox  # noqa: F401 - the fixture, used below
 
-pytestmark = pytest.mark.usefixtures("clean_sandbox")
+pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slow: the sandbox's attacks
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = {"prompt": "def add(a, b):\n", "entry_point": "add", "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}

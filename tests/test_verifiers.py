@@ -21,6 +21,8 @@ import pytest
 import sandbox as S
 import verifiers as V
 
+pytestmark = pytest.mark.slow  # the verifiers and the sandbox at length: left out of the quick tier, pytest -m "not slow"
+
 # ---------------------------------------------------------------------------------------------
 # Sandbox modes: the detected one, plus the fallback where namespaces work (both must hold).
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ import models
 import run
 from tests import fake_vllm, tiny  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the real vLLM engine: left out of the quick tier, pytest -m "not slow"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGP_TOL_MEAN = 1e-4
 LOGP_TOL_MAX = 1e-3
