@@ -268,13 +268,15 @@ def reward_curve(rows):
 
 def test_rank_one_learns_the_toy_task(toy_scaled, tmp_path):
     """The rank-1 claim at the toy scale: with a rank-1 adapter on every linear layer (alpha 32) and nothing else
-    trained, the tiny model learns the toy task, by the bar of test_e2e's learning test (measured: 0.04 -> 0.84 at
-    lr 1e-2 in 30 steps; full fine-tuning at lr 3e-3 0.07 -> 0.99)."""
+    trained, the tiny model learns the toy task: its best 5-step mean reward reaches 0.5, from about 0.04. At lr 1e-2
+    rank 1 learns and then often falls back (measured on this machine, seeds 1-3: best windows 0.74, 0.79, 0.90, last
+    5 steps 0.34, 0.0, 0.81; on another machine seed 1 ended at 0.84), so the bar is the best window, not the last one.
+    The control below stays under 0.2 throughout."""
     from safetensors.torch import load_file
 
     curve = reward_curve(run_script("grpo", toy_scaled, tmp_path, "r1", total_steps=30, lora_rank=1, learning_rate=1e-2))
-    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    assert last >= 0.35 and last > first + 0.2, curve
+    first, best = sum(curve[:5]) / 5, max(sum(curve[i : i + 5]) / 5 for i in range(len(curve) - 4))
+    assert best >= 0.5 and best > first + 0.2, curve
     adapters = load_file(tmp_path / "r1" / "final_adapter" / "adapter_model.safetensors")
     assert {v.shape[0] for k, v in adapters.items() if ".lora_A." in k} == {1}
 
@@ -290,7 +292,7 @@ def test_the_learning_test_fails_when_the_engine_samples_without_the_adapters(to
 
     monkeypatch.setattr(engines.HFEngine, "generate", from_the_base)
     curve = reward_curve(run_script("grpo", toy_scaled, tmp_path, "r1", total_steps=30, lora_rank=1, learning_rate=1e-2))
-    assert sum(curve[-5:]) / 5 < 0.2, curve
+    assert max(sum(curve[i : i + 5]) / 5 for i in range(len(curve) - 4)) < 0.2, curve
 
 
 @pytest.fixture(scope="module")
