@@ -1,5 +1,6 @@
 """End to end: every method script on a tiny model built here (no download, no network): smoke run with
-all metric keys of README's metrics table, a learning test (a sign error in a loss fails it), resume, and bad input."""
+all metric keys of docs/outputs.md's metrics table, a learning test (a sign error in a loss fails it), resume, and
+bad input."""
 
 import importlib
 import json
@@ -88,7 +89,7 @@ def test_smoke_two_steps_all_metric_keys(method, toy, tmp_path):
     assert len(train_rows) >= 2 and len(eval_rows) == 2  # before and after
     for key in TRAIN_KEYS:
         assert key in train_rows[0], key
-    for row in rows:  # a metric with no data is left out of its row (README "Outputs"), never written as null
+    for row in rows:  # a metric with no data is left out of its row (docs/outputs.md, "Metrics"), never written as null
         assert None not in row.values(), row
     for key in EVAL_KEYS:
         assert key in eval_rows[0], key
