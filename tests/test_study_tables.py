@@ -143,3 +143,41 @@ def test_mugrpo_run_summary(tmp_path):
     assert s["triggered_frac"] == pytest.approx(0.4) and s["vetoed_frac"] == pytest.approx(0.1)
     assert s["kl_mean"] == pytest.approx(0.5) and s["kl_max"] == 1.0 and s["clipfrac_max"] == 0.3
     assert (s["entropy_first"], s["entropy_last"], s["reward"]) == (0.7, 0.5, [0.1, 0.0])
+
+
+def opd_like_run(root, name, arm, seed, evals, steps, kl=None, done=True):
+    """evals: [(step, pass@1, wall_s)]; steps: [(step, rollout_s, train_s)]; kl: per step (OPD)."""
+    rows = [{"step": s, "update": 2 * s, "eval/pass@1": p, "wall_s": w} for s, p, w in evals]
+    for i, (s, rollout_s, train_s) in enumerate(steps):
+        row = {
+            "step": s,
+            "update": 2 * s - 1,
+            "rollout/reward_mean": 0.5,
+            "perf/rollout_s": rollout_s,
+            "perf/train_s": train_s,
+        }
+        rows.append(row | ({"opd/reverse_kl": kl[i]} if kl else {}))
+    rows.sort(key=lambda r: (r["step"], "eval/pass@1" in r))
+    write_run(root, name, {"exp_name": arm, "seed": seed}, rows, done)
+
+
+def test_opd_steps_to_the_teachers_bar_by_hand(tmp_path, capsys):
+    """The teacher (grpo__s1) ends at pass@1 0.6: the bar is 0.9 x 0.6 = 0.54. grpo__s2 reaches it at step 4 (0.55),
+    opd__s1 at step 2 (0.56, at 20 s), opd__s2 never; an unfinished run is left out."""
+    opd_like_run(tmp_path, "grpo__s1", "grpo", 1, [(0, 0.3, 1), (2, 0.5, 10), (4, 0.6, 30)], [(1, 2.0, 4.0), (2, 4.0, 6.0)])
+    opd_like_run(tmp_path, "grpo__s2", "grpo", 2, [(0, 0.3, 1), (2, 0.4, 10), (4, 0.55, 30)], [(1, 3.0, 5.0), (2, 3.0, 5.0)])
+    opd_like_run(
+        tmp_path, "opd__s1", "opd", 1, [(0, 0.3, 1), (2, 0.56, 20), (4, 0.5, 40)], [(1, 2.0, 7.0), (2, 2.0, 9.0)], [0.3, 0.1]
+    )
+    opd_like_run(tmp_path, "opd__s2", "opd", 2, [(0, 0.3, 1), (2, 0.4, 20), (4, 0.5, 40)], [(1, 2.0, 8.0)], [0.2])
+    opd_like_run(tmp_path, "opd__s3", "opd", 3, [(0, 0.9, 1)], [], done=False)
+    load_module("opd_runs").main(str(tmp_path))
+    out = capsys.readouterr().out
+    assert "held-out pass@1 0.600 after training; the bar: 0.9 of it = 0.5400" in out
+    assert "| grpo__s2 | grpo | 2 | 0.300 | 0.400 | 0.550 | 4 | 30 | 3.0 | 5.0 | - |" in out
+    assert "| opd__s1 | opd | 1 | 0.300 | 0.560 | 0.500 | 2 | 20 | 2.0 | 8.0 | 0.300 -> 0.100 |" in out
+    assert "| opd__s2 | opd | 2 | 0.300 | 0.400 | 0.500 | not reached | - | 2.0 | 8.0 | 0.200 -> 0.200 |" in out
+    assert "opd__s3" not in out
+    # per arm: opd's pass@1 at step 2 is the mean of 0.56 and 0.4 (0.48, sample std 0.113), its train s 8.0 +- 0.0
+    assert "| opd | 2 | 0.300 +- 0.000 | 0.480 +- 0.113 | 0.500 +- 0.000 | 2, - | 2.000 +- 0.000 | 8.000 +- 0.000 |" in out
+    assert "| grpo | 2 | 0.300 +- 0.000 | 0.450 +- 0.071 | 0.575 +- 0.035 | 4, 4 | 3.000 +- 0.000 | 5.000 +- 0.000 |" in out
