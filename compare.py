@@ -6,11 +6,14 @@
 
 Runs are grouped by method (`exp_name` in args.json) and configuration (every argument except the seed and
 the bookkeeping ones such as run name and output folder). Runs of different configurations are never
-averaged together: they become separate rows, and the table lists the settings that differ between rows.
+averaged together: they become separate rows, and the table lists the settings that differ between rows. A row's
+label (in tables and legends) is the method, the LoRA rank, and the values of the settings that differ between the
+rows shown ("grpo LoRA r1 lr 1e-4"), so no two rows share one.
 Plots (reward and eval pass@1 against optimizer updates and against wall time, one colour per row, a band over seeds)
 need matplotlib; without it the table still prints and the script says so. Runs that evaluate during training
-(--eval-every) get eval curves. --metric NAME_OR_GLOB adds a curve and a final-value column per matching logged
-key; --baseline NAME adds paired per-seed differences (method - baseline) of the final values. See docs/compare.md.
+(--eval-every) get eval curves; an evaluation before and after training only is two points, not a line.
+--metric NAME_OR_GLOB adds a curve and a final-value column per matching logged key; --baseline NAME adds paired
+per-seed differences (method - baseline) of the final values. See docs/compare.md.
 """
 
 from __future__ import annotations
@@ -70,9 +73,13 @@ class Group:
     method: str
     config: tuple
     runs: list[Run] = field(default_factory=list)
+    label: str = ""  # set by group_runs (label_groups): the name and the settings that tell it from the others shown
+
+    def __post_init__(self):
+        self.label = self.label or self.name
 
     @property
-    def label(self) -> str:
+    def name(self) -> str:
         """The method, and the LoRA rank of a LoRA run (--lora-rank > 0), so LoRA and full fine-tuning stand apart."""
         rank = dict(self.config).get("lora_rank")
         rank = json.loads(rank) if rank is not None else 0
@@ -109,7 +116,9 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run in runs:
         key = (run.method, run.config)
         groups.setdefault(key, Group(run.method, run.config)).runs.append(run)
-    return list(groups.values())
+    out = list(groups.values())
+    label_groups(out)
+    return out
 
 
 def differing_settings(groups: list[Group]) -> dict[str, list]:
@@ -131,6 +140,68 @@ def differing_settings(groups: list[Group]) -> dict[str, list]:
         if len(present) > 1 or any(len(flags) > 1 for flags in has_key.values()):
             out[k] = values
     return out
+
+
+def row_settings(groups: list[Group], diff: dict[str, list] | None = None) -> list[list[tuple[str, str]]]:
+    """Per group, the differing settings it shows as [(key, JSON value or ABSENT)]: the ones it has, and a missing
+    one only when another group of the same method has it (a setting only some methods have is not a difference)."""
+    diff = differing_settings(groups) if diff is None else diff
+    out = []
+    for i, g in enumerate(groups):
+        same_method = [j for j, h in enumerate(groups) if h.method == g.method]
+        out.append([(k, v[i]) for k, v in diff.items() if v[i] != ABSENT or any(v[j] != ABSENT for j in same_method)])
+    return out
+
+
+LABEL_NAMES = {"learning_rate": "lr"}  # a setting shown as "<short name> <value>" in a label; others as key=value
+
+
+def short_value(raw: str) -> str:
+    """A setting's JSON value for a label: floats in their shorter form (3e-4, not 0.0003; 0.2, not 2e-1)."""
+    if raw == ABSENT:
+        return ABSENT
+    v = json.loads(raw)
+    if isinstance(v, float) and math.isfinite(v):
+        fixed = f"{v:.12g}"
+        mantissa, exponent = f"{v:.12e}".split("e")
+        sci = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+        return sci if len(sci) < len(fixed) else fixed
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(",", ":"))
+    return str(v)
+
+
+def label_groups(groups: list[Group]) -> None:
+    """Give every group a label: its name (method, LoRA rank) and the values of the settings that differ between
+    the groups shown (learning rate first, as "lr 3e-4", then key=value), so whatever tells two groups apart is in
+    their labels. Groups that would still share a label (e.g. a setting absent in one and at its default in the
+    other) spell every differing setting as key=<JSON value>; no two groups ever get the same label."""
+    settings = row_settings(groups)
+
+    def order(setting: tuple[str, str]) -> tuple:  # the short-named ones (the learning rate) first, then by name
+        return setting[0] not in LABEL_NAMES, setting[0]
+
+    def short(i: int) -> str:
+        parts = [
+            f"{LABEL_NAMES[k]} {short_value(v)}" if k in LABEL_NAMES else f"{k}={short_value(v)}"
+            for k, v in sorted(settings[i], key=order)
+            if k != "lora_rank"  # in the name (LoRA rN); rank 0 = full fine-tuning: the method alone
+        ]
+        return " ".join([groups[i].name, *parts])
+
+    def raw(i: int) -> str:
+        return " ".join([groups[i].name, *(f"{k}={v}" for k, v in sorted(settings[i], key=order))])
+
+    def with_folder(i: int) -> str:  # a last resort; raw labels of different configurations always differ
+        return f"{labels[i]} ({os.path.basename(groups[i].runs[0].path)})"
+
+    labels = [short(i) for i in range(len(groups))]
+    for spell in (raw, with_folder):
+        clash = [i for i, lab in enumerate(labels) if labels.count(lab) > 1]
+        for i in clash:
+            labels[i] = spell(i)
+    for g, lab in zip(groups, labels):
+        g.label = lab
 
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:
@@ -166,6 +237,7 @@ def table(groups: list[Group]) -> str:
     header += ["wall s", "rollout s", "train s", "sync s", "other s (load, eval, scoring)", "peak mem GiB"]
     if diff:
         header.append("settings that differ")
+    settings = row_settings(groups, diff)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, g in enumerate(groups):
         n = len(g.runs)
@@ -190,15 +262,7 @@ def table(groups: list[Group]) -> str:
             fmt(mean_std([peak_memory(r) for r in g.runs]), n, 2),
         ]
         if diff:
-            # a row shows the settings it has; a missing one only when another run of the same method has it
-            same_method = [j for j, h in enumerate(groups) if h.method == g.method]
-            cells.append(
-                ", ".join(
-                    f"{k}={json.loads(v[i])}" if v[i] != ABSENT else f"{k}={ABSENT}"
-                    for k, v in diff.items()
-                    if v[i] != ABSENT or any(v[j] != ABSENT for j in same_method)
-                )
-            )
+            cells.append(", ".join(f"{k}={json.loads(v) if v != ABSENT else ABSENT}" for k, v in settings[i]))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -285,37 +349,63 @@ def curve(group: Group, key: str, band: str = "minmax") -> list[tuple]:
     return out
 
 
-def figure(plt, groups: list[Group], keys: list[str], band: str, path: str) -> str:
-    """One row of panels per key: against optimizer updates (left) and wall time (right), one colour per group."""
+def points_only(group: Group, key: str) -> bool:
+    """An evaluation that every run of the group took at no more than two updates (before and after training,
+    --eval-every 0): drawn as points, since a line between them would picture a learning curve nobody measured."""
+    return key.startswith("eval/") and all(
+        len({row["update"] for row in r.rows if "update" in row and number(row.get(key)) is not None}) <= 2 for r in group.runs
+    )
+
+
+def draw(plt, groups: list[Group], keys: list[str], band: str):
+    """The figure of `figure` (not saved): one row of panels per key, one colour per group, one legend below."""
     # x = optimizer updates, not steps: a Mu-GRPO stage or a CoDaPO focused step holds a different number of
     # updates than a grpo.py step, and updates are the budget the methods are compared at
-    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.5 * len(keys)), squeeze=False)
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.5 * len(keys) + 0.6), squeeze=False, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    seeds: dict[int, int] = {}  # group index -> the most seeds at one point of any panel (the legend's n)
     for key, row in zip(keys, axes):
+        curves = [curve(g, key, band) for g in groups]
+        dots = [i for i, g in enumerate(groups) if curves[i] and points_only(g, key)]
         for ax, xi, xlabel in ((row[0], 0, "optimizer updates"), (row[1], 1, "wall time (s)")):
+            span = max((p[xi] for pts in curves for p in pts), default=0.0) or 1.0
             for i, g in enumerate(groups):
-                pts = curve(g, key, band)
+                pts = curves[i]
                 if not pts:
                     continue
-                xs = [p[xi] for p in pts]
+                colour = colours[i % len(colours)]
+                xs, ys = [p[xi] for p in pts], [p[2] for p in pts]
                 n = max(p[5] for p in pts)
-                ax.plot(
-                    xs,
-                    [p[2] for p in pts],
-                    color=colours[i % len(colours)],
-                    label=f"{g.label} (n={n})",
-                    marker="o" if key.startswith("eval") else None,
-                )
+                seeds[i] = max(seeds.get(i, 0), n)
+                if i in dots:  # before and after: two points with the band as error bars, no line
+                    # groups evaluated at the same update would hide each other: each is moved sideways by 1% of
+                    # the axis per group, the groups centred on the true x
+                    xs = [x + (dots.index(i) - (len(dots) - 1) / 2) * 0.01 * span for x in xs]
+                    ax.plot(xs, ys, color=colour, linestyle="none", marker="o", label=f"{g.label} (n={n})")
+                    if n > 1:
+                        spread = [[max(0.0, p[2] - p[3]) for p in pts], [max(0.0, p[4] - p[2]) for p in pts]]
+                        ax.errorbar(xs, ys, yerr=spread, fmt="none", ecolor=colour, capsize=4, alpha=0.6)
+                    continue
+                ax.plot(xs, ys, color=colour, label=f"{g.label} (n={n})", marker="o" if key.startswith("eval") else None)
                 if n > 1:
-                    ax.fill_between(xs, [p[3] for p in pts], [p[4] for p in pts], color=colours[i % len(colours)], alpha=0.2)
+                    ax.fill_between(xs, [p[3] for p in pts], [p[4] for p in pts], color=colour, alpha=0.2)
             ax.set_xlabel(xlabel)
             ax.set_title(f"{key} vs {'updates' if xi == 0 else 'wall time'}", fontsize=9)
             ax.grid(alpha=0.3)
-    labelled = [ax for ax in axes.flat if ax.get_legend_handles_labels()[0]]
-    if labelled:
-        labelled[0].legend(fontsize=8)
-    fig.suptitle(f"mean over seeds, band: {BANDS[band]}")
-    fig.tight_layout()
+    if seeds:  # below the panels, where long labels cover no curve
+        labels = [f"{groups[i].label} (n={seeds[i]})" for i in sorted(seeds)]
+        handles = [plt.Line2D([], [], color=colours[i % len(colours)], lw=2) for i in sorted(seeds)]
+        ncol = max(1, min(len(labels), 130 // (max(map(len, labels)) + 8)))
+        fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.suptitle(f"mean over seeds, band: {BANDS[band]}", fontsize=10)
+    return fig
+
+
+def figure(plt, groups: list[Group], keys: list[str], band: str, path: str) -> str:
+    """One row of panels per key: against optimizer updates (left) and wall time (right), one colour per group.
+    An evaluation taken only before and after training is two points per group (with error bars over seeds);
+    one taken during training too is a curve with a band."""
+    fig = draw(plt, groups, keys, band)
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
@@ -372,7 +462,12 @@ def final_table(groups: list[Group], keys: list[str]) -> str:
 
 
 def find_baseline(groups: list[Group], name: str) -> Group:
-    matches = [g for g in groups if g.label == name] or [g for g in groups if g.method == name]
+    # the label, else the name (method, LoRA rank: `grpo` is the full fine-tuning run), else the method
+    matches = (
+        [g for g in groups if g.label == name]
+        or [g for g in groups if g.name == name]
+        or [g for g in groups if g.method == name]
+    )
     if not matches:
         raise ValueError(f"--baseline {name!r} is none of the groups: {', '.join(sorted({g.label for g in groups}))}")
     if len(matches) > 1:
@@ -446,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
         help="logged key, exact or glob (e.g. 'gapo/clipfrac_c*'); repeatable: a curve and a final value each",
     )
     parser.add_argument(
-        "--baseline", metavar="NAME", help="group label or exp_name: paired per-seed differences of final values against it"
+        "--baseline",
+        metavar="NAME",
+        help="group label, name (method and LoRA rank, e.g. 'grpo LoRA r8') or exp_name: paired per-seed differences "
+        "of final values against it",
     )
     parser.add_argument("--band", choices=sorted(BANDS), default="minmax", help="band over seeds drawn around the mean")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
-"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged, eval curves,
---metric (exact and glob, absent rows), --baseline paired per-seed differences,
-plots with and without matplotlib."""
+"""compare.py on synthetic runs: mean/std over seeds, mismatched configurations kept apart and flagged, labels that
+name what differs between the groups shown, eval curves (and before/after-only evals drawn as points),
+--metric (exact and glob, absent rows), --baseline paired per-seed differences, plots with and without matplotlib."""
 
 import builtins
 import json
@@ -368,7 +368,128 @@ def test_lora_and_full_runs_side_by_side_with_peak_memory(tmp_path, capsys):
     out = capsys.readouterr().out
     header = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()[2:4]}
-    assert set(rows) == {"grpo", "grpo LoRA r8"}
-    assert rows["grpo"][header.index("peak mem GiB")] == "2.50 +- 0.71"  # seeds 2.0 and 3.0
-    assert rows["grpo LoRA r8"][header.index("peak mem GiB")] == "1.25 +- 0.35"
-    assert "| grpo LoRA r8 - grpo | eval/pass@1 | +0.1 +- 0 |" in out
+    # the learning rates differ too, so the labels name them; --baseline grpo still names the full run
+    assert set(rows) == {"grpo lr 1e-5", "grpo LoRA r8 lr 1e-4"}
+    assert rows["grpo lr 1e-5"][header.index("peak mem GiB")] == "2.50 +- 0.71"  # seeds 2.0 and 3.0
+    assert rows["grpo LoRA r8 lr 1e-4"][header.index("peak mem GiB")] == "1.25 +- 0.35"
+    assert "| grpo LoRA r8 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | +0.1 +- 0 |" in out
+
+
+# --- labels name what differs; an evaluation before and after only is two points ---
+
+
+def legend_and_lines(groups, keys):
+    """The figure compare.py draws (not saved): its legend texts and, per panel, {line label: Line2D}."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = compare.draw(plt, groups, keys, "minmax")
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    panels = [{line.get_label(): line for line in ax.get_lines()} for ax in fig.axes]
+    return fig, legend, panels
+
+
+def test_labels_name_the_settings_that_differ(tmp_path, capsys):
+    """The LoRA study's two rank-1 arms (3e-4 and 1e-4) were both 'grpo LoRA r1': a label now holds whatever tells
+    its group from the others shown (here the learning rate and zero_variance), never the seed or bookkeeping."""
+    for lr in (1e-4, 3e-4):
+        for zv in ("keep", "mask"):
+            for seed in (1, 2):
+                extra = {"lora_rank": 1, "zero_variance": zv, "output_dir": f"out_{seed}", "resume": "", "track": False}
+                make_run(tmp_path, f"r1_lr{lr}_{zv}_s{seed}", "grpo", seed, 0.2, 0.3, lr=lr, extra=extra)
+    groups = groups_of(*sorted(str(p) for p in tmp_path.iterdir()))
+    assert [len(g.runs) for g in groups] == [2, 2, 2, 2]  # seeds pooled, as before
+    assert sorted(g.label for g in groups) == [
+        "grpo LoRA r1 lr 1e-4 zero_variance=keep",
+        "grpo LoRA r1 lr 1e-4 zero_variance=mask",
+        "grpo LoRA r1 lr 3e-4 zero_variance=keep",
+        "grpo LoRA r1 lr 3e-4 zero_variance=mask",
+    ]
+    # the same labels in the table and in the plot's legend (with the seeds pooled, n=2)
+    assert compare.main([str(tmp_path / "*"), "--no-plot"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[2:6]]
+    assert sorted(rows) == sorted(g.label for g in groups)
+    fig, legend, _ = legend_and_lines(groups, ["rollout/reward_mean", "eval/pass@1"])
+    assert sorted(legend) == sorted(f"{g.label} (n=2)" for g in groups)
+    # only the learning rate differs among the groups shown: the other flag drops out of the labels
+    keep = [str(p) for p in sorted(tmp_path.iterdir()) if "_keep_" in p.name]
+    assert sorted(g.label for g in groups_of(*keep)) == ["grpo LoRA r1 lr 1e-4", "grpo LoRA r1 lr 3e-4"]
+    # nothing differs but the method: the method alone
+    assert [g.label for g in groups_of(keep[0])] == ["grpo LoRA r1"]
+
+
+def test_lora_study_labels_and_baseline(tmp_path, capsys):
+    """The LoRA study's arms: full at 1e-5, rank 1 at 3e-4 and 1e-4, rank 8 at 3e-4. Every label differs, and
+    --baseline grpo (the study's command) still names the full fine-tuning run."""
+    arms = {"full": (1e-5, 0, 0.4), "r1": (3e-4, 1, 0.35), "r1lr1e-4": (1e-4, 1, 0.3), "r8": (3e-4, 8, 0.45)}
+    for arm, (lr, rank, after) in arms.items():
+        for seed in (1, 2, 3):
+            make_run(tmp_path, f"study_{arm}_s{seed}", "grpo", seed, 0.2, after, lr=lr, extra={"lora_rank": rank})
+    assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo"]) == 0
+    out = capsys.readouterr().out
+    labels = [line.split("|")[1].strip() for line in out.splitlines()[2:6]]
+    assert sorted(labels) == ["grpo LoRA r1 lr 1e-4", "grpo LoRA r1 lr 3e-4", "grpo LoRA r8 lr 3e-4", "grpo lr 1e-5"]
+    assert "| grpo LoRA r1 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | -0.1 +- 0 |" in out
+    assert "| grpo LoRA r1 lr 3e-4 - grpo lr 1e-5 | eval/pass@1 | -0.05 +- 0 |" in out
+    # a label is matched first: one rank-1 arm as the baseline
+    assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo LoRA r1 lr 1e-4"]) == 0
+    assert "| grpo LoRA r1 lr 3e-4 - grpo LoRA r1 lr 1e-4 | eval/pass@1 | +0.05 +- 0 |" in capsys.readouterr().out
+    # the name of two arms is ambiguous: one error line
+    assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo LoRA r1"]) == 2
+    assert "matches 2 configurations" in capsys.readouterr().err
+
+
+def test_labels_never_clash(tmp_path):
+    """Settings whose short forms agree (an absent lora_rank and rank 0 both read as full fine-tuning; learning
+    rates equal to 12 digits) are spelled out as key=<JSON value>, so two groups never share a label."""
+    a = make_run(tmp_path, "old", "grpo", 1, 0.2, 0.3)  # written before --lora-rank existed
+    b = make_run(tmp_path, "new", "grpo", 1, 0.2, 0.3, extra={"lora_rank": 0})
+    assert sorted(g.label for g in groups_of(a, b)) == ["grpo lora_rank=0", "grpo lora_rank=<absent>"]
+    c = make_run(tmp_path, "c", "grpo", 1, 0.2, 0.3, lr=1e-4)
+    d = make_run(tmp_path, "d", "grpo", 1, 0.2, 0.3, lr=1.0000000000001e-4)
+    e = make_run(tmp_path, "e", "grpo", 1, 0.2, 0.3, lr=3e-4)
+    labels = [g.label for g in groups_of(c, d, e)]
+    assert labels == ["grpo learning_rate=0.0001", "grpo learning_rate=0.00010000000000001", "grpo lr 3e-4"]
+    assert len(set(labels)) == len(labels)
+    # float values in their shorter form
+    assert [compare.short_value(json.dumps(v)) for v in (1e-5, 0.0003, 0.001, 0.2, 4.0, 0.28, True, "suffix")] == [
+        "1e-5",
+        "3e-4",
+        "1e-3",
+        "0.2",
+        "4",
+        "0.28",
+        "True",
+        "suffix",
+    ]
+
+
+def test_eval_before_and_after_only_is_points_not_a_line(tmp_path):
+    """--eval-every 0 (evaluations at the first and last update only): markers with error bars over seeds, no line
+    and no band between them. Evaluations at 3 or more updates stay a curve with a band."""
+    for seed in (1, 2):
+        write_run(tmp_path, f"ba_s{seed}", "grpo", seed, eval_rows(0.25 * seed, n_evals=2), extra={"eval_every": 0})
+        write_run(tmp_path, f"ev_s{seed}", "grpo", seed, eval_rows(0.25 * seed, n_evals=4), extra={"eval_every": 1})
+    groups = groups_of(*sorted(str(p) for p in tmp_path.iterdir()))
+    assert {g.label: compare.points_only(g, "eval/pass@1") for g in groups} == {
+        "grpo eval_every=0": True,
+        "grpo eval_every=1": False,
+    }
+    from matplotlib.collections import LineCollection, PolyCollection
+
+    fig, legend, panels = legend_and_lines(groups, ["eval/pass@1"])
+    assert sorted(legend) == ["grpo eval_every=0 (n=2)", "grpo eval_every=1 (n=2)"]
+    for ax, lines in zip(fig.axes, panels):  # against updates, and against wall time
+        before_after, curve = lines["grpo eval_every=0 (n=2)"], lines["grpo eval_every=1 (n=2)"]
+        assert before_after.get_linestyle() == "None" and before_after.get_marker() == "o"
+        assert len(before_after.get_xdata()) == 2
+        assert curve.get_linestyle() == "-" and curve.get_marker() == "o" and len(curve.get_xdata()) == 4
+        assert len([c for c in ax.collections if isinstance(c, PolyCollection)]) == 1  # the curve's band only
+        (bars,) = [c for c in ax.collections if isinstance(c, LineCollection)]  # the points' min-max over seeds
+        assert len(bars.get_segments()) == 2
+    # a training metric stays a line however few its rows
+    (tmp_path / "sparse").mkdir()
+    _, _, (reward, _) = legend_and_lines(groups_of(*sparse_metric_runs(tmp_path / "sparse")), ["m/x"])
+    (line,) = reward.values()
+    assert line.get_linestyle() == "-"
