@@ -1,5 +1,5 @@
-"""One step of grpo.py, gapo.py, mugrpo.py and codapo.py, in the order it runs: the method-free layer the four
-scripts share. A run starts and ends in the run's rooms: run.py (flags, the command line, processes), models.py
+"""One step of the method scripts (grpo.py, gapo.py, mugrpo.py, codapo.py, opd.py), in the order it runs: the
+method-free layer they share. A run starts and ends in the run's rooms: run.py (flags, the command line, processes), models.py
 (models, the optimizer, the engine), outputs.py (evaluation, checkpoints); the rollout engines are in engines.py.
 The names one step uses, in order:
 

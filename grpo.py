@@ -1,5 +1,5 @@
 """GRPO / DAPO-style baseline (Shao et al. 2024, arXiv:2402.03300; DAPO, arXiv:2503.14476) -- the template
-that gapo.py, mugrpo.py and codapo.py are diffed against.
+that gapo.py, mugrpo.py, codapo.py and opd.py are diffed against.
 
 What it does, end to end:
   1. sample P prompts, generate G completions each (vLLM colocated on GPU, the HF engine elsewhere);

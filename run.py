@@ -1,4 +1,4 @@
-"""The run: what grpo.py, gapo.py, mugrpo.py and codapo.py do before anything loads, in the order a run does it (the
+"""The run: what the method scripts (grpo.py, gapo.py, ...) do before anything loads, in the order a run does it (the
 models it loads: models.py; what it writes: outputs.py; the step itself: common.py). A reader following one step
 skips it, as CleanRL's reader skips gym and tyro.
 
