@@ -155,6 +155,7 @@ def opd_like_run(root, name, arm, seed, evals, steps, kl=None, done=True):
             "rollout/reward_mean": 0.5,
             "perf/rollout_s": rollout_s,
             "perf/train_s": train_s,
+            "rollout/response_len_mean": 10.0 * s,  # step 1: 10 tokens, step 2: 20
         }
         rows.append(row | ({"opd/reverse_kl": kl[i]} if kl else {}))
     rows.sort(key=lambda r: (r["step"], "eval/pass@1" in r))
@@ -174,10 +175,12 @@ def test_opd_steps_to_the_teachers_bar_by_hand(tmp_path, capsys):
     load_module("opd_runs").main(str(tmp_path))
     out = capsys.readouterr().out
     assert "held-out pass@1 0.600 after training; the bar: 0.9 of it = 0.5400" in out
-    assert "| grpo__s2 | grpo | 2 | 0.300 | 0.400 | 0.550 | 4 | 30 | 3.0 | 5.0 | - |" in out
-    assert "| opd__s1 | opd | 1 | 0.300 | 0.560 | 0.500 | 2 | 20 | 2.0 | 8.0 | 0.300 -> 0.100 |" in out
-    assert "| opd__s2 | opd | 2 | 0.300 | 0.400 | 0.500 | not reached | - | 2.0 | 8.0 | 0.200 -> 0.200 |" in out
+    assert "| grpo__s2 | grpo | 2 | 0.300 | 0.400 | 0.550 | 4 | 30 | 3.0 | 5.0 | 15.0 | - |" in out
+    assert "| opd__s1 | opd | 1 | 0.300 | 0.560 | 0.500 | 2 | 20 | 2.0 | 8.0 | 15.0 | 0.300 -> 0.100 |" in out
+    assert "| opd__s2 | opd | 2 | 0.300 | 0.400 | 0.500 | not reached | - | 2.0 | 8.0 | 10.0 | 0.200 -> 0.200 |" in out
     assert "opd__s3" not in out
     # per arm: opd's pass@1 at step 2 is the mean of 0.56 and 0.4 (0.48, sample std 0.113), its train s 8.0 +- 0.0
-    assert "| opd | 2 | 0.300 +- 0.000 | 0.480 +- 0.113 | 0.500 +- 0.000 | 2, - | 2.000 +- 0.000 | 8.000 +- 0.000 |" in out
-    assert "| grpo | 2 | 0.300 +- 0.000 | 0.450 +- 0.071 | 0.575 +- 0.035 | 4, 4 | 3.000 +- 0.000 | 5.000 +- 0.000 |" in out
+    opd_arm = "| opd | 2 | 0.300 +- 0.000 | 0.480 +- 0.113 | 0.500 +- 0.000 | 2, - | 2.000 +- 0.000 | 8.000 +- 0.000 |"
+    assert opd_arm + " 12.500 +- 3.536 |" in out  # completion tokens: 15 and 10
+    grpo_arm = "| grpo | 2 | 0.300 +- 0.000 | 0.450 +- 0.071 | 0.575 +- 0.035 | 4, 4 | 3.000 +- 0.000 | 5.000 +- 0.000 |"
+    assert grpo_arm + " 15.000 +- 0.000 |" in out

@@ -7,7 +7,8 @@ the run named by --teacher (default grpo__s1): its pass@1 after training is the 
 evaluation whose held-out pass@1 is at least --bar (0.9) of it. Per run: pass@1 at every evaluation (before training,
 then every --eval-every steps), the step and the wall-clock seconds (wall_s of that evaluation row) at which it first
 reaches the bar, the mean rollout and training seconds of a step (perf/rollout_s, perf/train_s; OPD's train_s holds
-its teacher forward), and OPD's reverse KL at the first and the last step. Per arm: the mean pass@1 at each
+its teacher forward) and its mean completion length (rollout/response_len_mean), and OPD's reverse KL at the first and
+the last step. Per arm: the mean pass@1 at each
 evaluation step over seeds, and the mean step cost.
 """
 
@@ -43,6 +44,7 @@ def summarise(run_dir: str, bar_value: float) -> dict:
         "reached_wall_s": reached["wall_s"] if reached else None,
         "rollout_s": statistics.mean(r["perf/rollout_s"] for r in steps) if steps else None,
         "train_s": statistics.mean(r["perf/train_s"] for r in steps) if steps else None,
+        "length": statistics.mean(r["rollout/response_len_mean"] for r in steps) if steps else None,
         "kl": (kls[0], kls[-1]) if kls else None,
     }
 
@@ -69,18 +71,18 @@ def main(root: str, teacher: str = "grpo__s1", bar: float = 0.9) -> None:
     )
     eval_steps = sorted({s for r in runs for s, _ in r["pass1"]})
     head = ["run", "arm", "seed", *(f"pass@1 step {s}" for s in eval_steps), "reaches the bar at step"]
-    head += ["wall s at the bar", "rollout s / step", "train s / step", "reverse KL first -> last"]
+    head += ["wall s at the bar", "rollout s / step", "train s / step", "completion tokens", "reverse KL first -> last"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in runs:
         by_step = dict(r["pass1"])
         kl = f"{r['kl'][0]:.3f} -> {r['kl'][1]:.3f}" if r["kl"] else "-"
         cells = [r["name"], r["arm"], str(r["seed"]), *(fmt(by_step.get(s)) for s in eval_steps)]
         cells += [str(r["reached_step"]) if r["reached_step"] is not None else "not reached"]
-        cells += [fmt(r["reached_wall_s"], 0), fmt(r["rollout_s"], 1), fmt(r["train_s"], 1), kl]
+        cells += [fmt(r["reached_wall_s"], 0), fmt(r["rollout_s"], 1), fmt(r["train_s"], 1), fmt(r["length"], 1), kl]
         print("| " + " | ".join(cells) + " |")
     print("\nPer arm, mean +- sample std over seeds:\n")
     head = ["arm", "seeds", *(f"pass@1 step {s}" for s in eval_steps), "reaches the bar at step (per seed)"]
-    head += ["rollout s / step", "train s / step"]
+    head += ["rollout s / step", "train s / step", "completion tokens"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for arm in sorted({r["arm"] for r in runs}):
         mine = [r for r in runs if r["arm"] == arm]
@@ -88,6 +90,7 @@ def main(root: str, teacher: str = "grpo__s1", bar: float = 0.9) -> None:
         cells += [mean_std([dict(r["pass1"]).get(s) for r in mine]) for s in eval_steps]
         cells += [", ".join(str(r["reached_step"]) if r["reached_step"] is not None else "-" for r in mine)]
         cells += [mean_std([r["rollout_s"] for r in mine]), mean_std([r["train_s"] for r in mine])]
+        cells += [mean_std([r["length"] for r in mine])]
         print("| " + " | ".join(cells) + " |")
 
 
