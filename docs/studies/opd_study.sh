@@ -10,7 +10,7 @@
 # Usage (from anywhere): bash docs/studies/opd_study.sh
 #   PYTHON=/path/to/python  SEEDS="1 2 3"  OUT=runs/study_opd  LOCK=/tmp/cpu.lock  EVAL_EVERY=2
 # Finished runs (marker .done) are skipped on a rerun; an unfinished one is removed and run again. Then the tables and
-# plots: python compare.py $OUT/grpo__s* $OUT/opd__s* --baseline grpo --plot docs/studies/plots/opd.png (the commands
+# plots: python compare.py $OUT/grpo__s*/ $OUT/opd__s*/ --baseline grpo (the commands
 # docs/studies/opd.md gives).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
