@@ -31,6 +31,7 @@ ATTR_RDONLY, ATTR_NOSUID, ATTR_NODEV, ATTR_NOEXEC, AT_RECURSIVE = 1, 2, 4, 8, 0x
 SYS_MOUNT_SETATTR, SYS_CAPSET, SYS_CAPGET = 442, 126, 125
 DEVICES = ("null", "zero", "full", "random", "urandom")
 RUNNER_IN, RUNNER_OUT, MAX_DEPTH = 100, 101, 64
+RUN_DEADLINE_WAIT_S = 60.0  # a stdio case cut at the run's deadline: the judge waits for the trainer to end the run
 _libc = None
 
 
@@ -1056,8 +1057,9 @@ def judge_stdio(job, secret_fd, status_fd):
             except subprocess.TimeoutExpired:  # the case's limit: it failed, the next one runs all the same
                 proc.kill()
                 proc.wait()
-                if job["case_timeout"] >= left:  # the run's deadline: no time is left for another case
-                    return None
+                if job["case_timeout"] >= left:  # the run's deadline: no time is left for another case. The trainer's
+                    time.sleep(RUN_DEADLINE_WAIT_S)  # own deadline ends the run (a timeout, as for a program still
+                    return None  # running); exiting now would race it and could read as a failed run
                 failed = True
                 continue
             out.seek(0)

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import pytest
 
@@ -88,6 +89,25 @@ def test_attack_no_feedback_stdio_runs_the_next_case_after_a_wrong_one(mode):
     problem = {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}
     verdict = V.code_verdict(program, problem, timeout=2.0, mode=mode)
     assert verdict.status == "timeout", f"case 2 never ran after case 1 failed: {verdict}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_case_cut_at_the_runs_deadline_is_a_timeout_however_late_the_trainer_looks(mode, monkeypatch):
+    """The run's deadline counts from when the trainer reads "started"; a loaded trainer reads it late, so the judge's
+    own clock runs out first. A judge that then ended the run itself made it "failed" (the race behind the test
+    above failing under load: 2.05 s, "failed", in a CI run of this suite); the judge waits for the trainer, whose
+    deadline makes it a timeout. The trainer here looks 0.5 s late, every time."""
+    real = S._watch
+
+    def late(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(S, "_watch", late)
+    program = "import time\nx = input()\nif x == '2':\n    time.sleep(60)\nprint('wrong' if x == '1' else x)\n"
+    problem = {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}
+    verdict = V.code_verdict(program, problem, timeout=2.0, mode=mode)
+    assert verdict.status == "timeout", verdict
 
 
 @pytest.mark.parametrize("mode", MODES)
