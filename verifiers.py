@@ -169,6 +169,7 @@ def load_task(
         check_golds(task, answer_format)
     if task.kind == "code":
         check_code_sandbox()
+        check_code_tests(task)
     return task
 
 
@@ -1124,6 +1125,8 @@ def check_code_sandbox() -> None:
     disk-read limits here and the user did not opt in to running without them."""
     try:
         sandbox.preflight()
+    except (sandbox.PoolMemoryTooSmall, ValueError, OSError) as exc:
+        raise UserError(f"code sandbox: {exc} (docs/verifiers.md)") from None
     except sandbox.CgroupsUnavailable as exc:
         raise UserError(
             f"code sandbox: {exc}: runs would lack a memory, process, CPU or disk-read limit of their own; delegate a "
@@ -1170,11 +1173,13 @@ def code_job(completion: str, problem: dict) -> dict | None:
             program = helpers + code
         else:  # HumanEval's own format: the completion continues the prompt (a function body)
             program = prompt + code
+        _check_judgeable((test,))
         secret = {"test": test, "prompt": prompt, "prompt_helpers": helpers}
         return {"mode": "humaneval", "program": program, "entry_point": entry_point, "secret": secret}
     if "test_list" in problem:
         tests = _strings(problem["test_list"], "test_list")
         setup = _string(problem.get("test_setup_code"), "test_setup_code", default="")
+        _check_judgeable((setup, *tests))
         code = extract_code(completion)
         if not code.strip():
             return None
@@ -1188,6 +1193,35 @@ def code_job(completion: str, problem: dict) -> dict | None:
             return None
         return {"mode": "stdio", "program": code, "secret": {"inputs": inputs, "outputs": outputs}}
     raise ValueError("code problem needs 'entry_point'+'test' (HumanEval), 'test_list' (MBPP) or 'inputs'+'outputs'")
+
+
+def _check_judgeable(sources: tuple[str, ...]) -> None:
+    reason = sandbox.unjudgeable_test(sources)
+    if reason is not None:
+        raise ValueError(f"code problem: {reason}; rewrite that check without it (docs/verifiers.md)")
+
+
+def check_code_tests(task: Task) -> None:
+    """Every problem's tests checked once (code_job): a problem the judge cannot hold to its no-feedback rule (its
+    test runs a string, `sandbox.unjudgeable_test`) or that is malformed is dropped with one warning (count and the
+    first, with its reason); a dataset where every problem is, is refused."""
+    bad = []
+    for i, problem in enumerate(task.problems):
+        try:
+            code_job("```python\npass\n```", problem)
+        except ValueError as exc:
+            bad.append((i, str(exc)))
+    if not bad:
+        return
+    where = task.where or [f"problem {i + 1}" for i in range(len(task.problems))]
+    first = f"{where[bad[0][0]]}: {bad[0][1]}"
+    if len(bad) == len(task.problems):
+        raise UserError(f"dataset {task.name}: none of its {len(bad)} code problems can be judged (first: {first})")
+    print(f"warning: dataset {task.name}: dropped {len(bad)} of {len(task.problems)} code problems (first: {first})", file=sys.stderr)
+    dropped = {i for i, _ in bad}
+    keep = [i for i in range(len(task.problems)) if i not in dropped]
+    task.problems = [task.problems[i] for i in keep]
+    task.where = [where[i] for i in keep]
 
 
 def _check_timeout(timeout) -> float:

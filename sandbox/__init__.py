@@ -13,9 +13,11 @@ write somewhere cannot change what later runs execute.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import errno
 import fcntl
+import functools
 import importlib.util
 import itertools
 import json
@@ -67,6 +69,11 @@ SANDBOX_TMP_BYTES = 64 << 20  # the run's /tmp (its only writable folder): a tmp
 SANDBOX_TMP_INODES = 4096  # ...and this many files and folders
 SANDBOX_OPEN_FILES = 256
 SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may return to the judge
+# Limits the kernel also charges to the trainer's user on the host (all runs and the trainer share them): per run
+SANDBOX_SIGNALS_QUEUED = 64  # RLIMIT_SIGPENDING (the host's default for a user is ~96,000)
+SANDBOX_MESSAGE_QUEUE_BYTES = 0  # RLIMIT_MSGQUEUE: no POSIX message queue (a user's 800 KB on the host)
+SANDBOX_INOTIFY_INSTANCES = 2  # the run's user namespace's max_inotify_instances (a user's 128 on the host)
+SANDBOX_INOTIFY_WATCHES = 256  # ...and max_inotify_watches
 SANDBOX_CPUS = 1.0  # the CPU quota of a whole run, in cores (cpu.cfs_quota_us on v1, cpu.max on v2)
 SANDBOX_CPU_PERIOD_US = 100_000
 SANDBOX_READ_BPS = 64 << 20  # a whole run's reads from each disk, bytes/s (blkio.throttle on v1, io.max on v2)...
@@ -117,9 +124,23 @@ class SandboxResult:
         return None if self.status == "error" else float(self.status == "passed")
 
 
+SANDBOX_RUNS_ENV = "VERIFIERS_SANDBOX_RUNS"  # runs at once on this node, all trainer processes together
+
+
+def runs_at_once() -> int:
+    """How many runs may go on at once on this node, shared by every trainer process of this user on it (the ranks
+    of a torchrun): one per core of this process's affinity, or fewer ($VERIFIERS_SANDBOX_RUNS)."""
+    value = os.environ.get(SANDBOX_RUNS_ENV, "").strip()
+    if not value:
+        return num_cores()
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{SANDBOX_RUNS_ENV} must be a whole number of runs >= 1, got {value!r}")
+    return min(int(value), num_cores())
+
+
 _sandbox_mode: str | None = None
 _sandbox_mode_lock = threading.Lock()
-_sandbox_slots = threading.BoundedSemaphore(num_cores())  # at most one sandbox per core
+_sandbox_slots = threading.BoundedSemaphore(num_cores())  # this process's runs; _take_node_core bounds the node
 
 
 def _after_fork_in_child() -> None:
@@ -129,6 +150,9 @@ def _after_fork_in_child() -> None:
     global _sandbox_slots, _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made, _cgroup_slot_names
     global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
+    for fd in _node_core_locks:  # the parent's runs' permits: released by the parent, never by the child
+        os.close(fd)
+    _node_core_locks.clear()
     for fd in _life_pipes:
         os.close(fd)
     _life_pipes.clear()
@@ -201,6 +225,36 @@ def _detect_sandbox_mode() -> str:
             return mode
         log.info("code sandbox mode %s unavailable: %s", mode, verdict.stderr_tail[-300:])
     return "fallback"
+
+
+# ----- test code the judge can hold to its rule (every call of the program made, whatever the earlier checks gave)
+
+_STRING_RUNNERS = ("eval", "exec")
+
+
+@functools.lru_cache(maxsize=4096)
+def unjudgeable_test(sources: tuple[str, ...]) -> str | None:
+    """Why the judge cannot keep the program from learning which check failed, or None: a problem's test code that
+    runs a string (eval, exec, compile: the judge rewrites the test's own expressions, never a string's, so an `and`
+    chain in one would stop at its first failed check). Such a problem is refused, in one line."""
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # fails every run alike: no feedback
+            continue
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Name) and node.id in (*_STRING_RUNNERS, "compile"):
+                name = node.id
+            elif isinstance(node, ast.Attribute) and node.attr in _STRING_RUNNERS:
+                name = node.attr  # builtins.eval
+            elif isinstance(node, ast.Attribute) and node.attr == "compile" and getattr(node.value, "id", "") == "builtins":
+                name = "compile"  # re.compile is not
+            elif isinstance(node, ast.Constant) and node.value in _STRING_RUNNERS:
+                name = node.value  # getattr(builtins, "eval"), __builtins__["exec"]
+            if name is not None:
+                return f"its test code runs a string through {name} (line {getattr(node, 'lineno', '?')})"
+    return None
 
 
 # ----- what the program sees: the judge covers, binds back and masks these paths (build_view)
@@ -441,13 +495,40 @@ class CgroupsUnavailable(RuntimeError):
 
 class _Slot(NamedTuple):
     """One slot of the pool: a cgroup per hierarchy, its open cgroup.procs, the folders' locks (held while this
-    process lives: a sweep of another trainer takes only slots whose lock it can take), and its counters that can
-    be reset (path, value)."""
+    process lives: a sweep of another trainer takes only slots whose lock it can take), its counters that can
+    be reset (path, value) and its read throttle (path, the run's limit, no limit)."""
 
     folders: list[str]
     fds: list[int]
     locks: list[int]
     resets: list[tuple[str, str]]
+    throttles: list[tuple[str, str, str]]
+
+
+_THROTTLES = ("blkio.throttle.read_bps_device", "blkio.throttle.read_iops_device", "io.max")
+
+
+def _unthrottled(name: str, value: str) -> str:
+    """The same device's line with no read limit: v1 "<dev> 0" removes the rule, v2 sets each to max."""
+    device = value.split()[0]
+    return f"{device} rbps=max riops=max" if name == "io.max" else f"{device} 0"
+
+
+def _set_throttle(slot: _Slot, lifted: bool) -> bool:
+    """Lift a slot's read throttle (the reads its runs queued go to the disk now, so no process of the run waits
+    behind them once it is over) or put it back; False if a file could not be written."""
+    done = True
+    for path, limited, unlimited in slot.throttles:
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, (unlimited if lifted else limited).encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("code sandbox: %s not %s: %s", path, "lifted" if lifted else "set", exc)
+            done = False
+    return done
 
 
 SLOT_EMPTY_WAIT_S = 5.0
@@ -491,7 +572,13 @@ def _make_cgroup_slot() -> _Slot:
                             f.write(value)
                 fds.append(os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC))
             resets = [(os.path.join(p, n), v) for p in made for n, v in _RESETTABLE if os.path.exists(os.path.join(p, n))]
-            return _Slot(made, fds, locks, resets)
+            throttles = [
+                (os.path.join(path, name), value, _unthrottled(name, value))
+                for path, (_, limits) in zip(made, _cgroup_parents())
+                for name, value, _ in limits
+                if name in _THROTTLES
+            ]
+            return _Slot(made, fds, locks, resets, throttles)
         except OSError as exc:
             for fd in fds:
                 os.close(fd)
@@ -513,6 +600,7 @@ def _borrow_cgroups(wait_s: float = 30.0) -> _Slot:
     this machine has none, cannot bound disk reads (unless the user opted in), or no slot can be had within
     `wait_s` (fail closed: the caller does not run)."""
     global _cgroup_slots_made, _cgroup_exit_hook, _cgroup_refused
+    _register_fork_hook()  # a child forked after this slot is made must not share it
     if not _cgroup_parents():
         raise CgroupsUnavailable("no cgroup hierarchy with memory, pids and cpu that this process may use")
     if _cgroup_missing:
@@ -553,7 +641,8 @@ def _return_cgroups(slot: _Slot) -> None:
     while its processes live. Called only once the run's stage 0 has been reaped (it reaps every process of the
     run first), so a slot that is not empty here holds processes that cannot die yet (uninterruptible I/O)."""
     global _cgroup_watcher
-    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in slot.folders):
+    _set_throttle(slot, lifted=True)  # what the run queued is read now, not at 1,000 requests/s after it is over
+    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in slot.folders) and _set_throttle(slot, lifted=False):
         _reset_counters(slot)
         with _cgroup_pool_ready:
             _cgroup_pool.append(slot)
@@ -581,7 +670,7 @@ def _watch_waiting_slots() -> None:
                 _cgroup_watcher = False
                 return
         for slot in waiting:
-            if all(_empty_cgroup(path, 0.0) for path in slot.folders):
+            if all(_empty_cgroup(path, 0.0) for path in slot.folders) and _set_throttle(slot, lifted=False):
                 _reset_counters(slot)
                 with _cgroup_pool_ready:
                     if slot in _cgroup_waiting:
@@ -687,9 +776,71 @@ def _close_cgroup_pool() -> None:
             os.close(fd)
 
 
+class PoolMemoryTooSmall(RuntimeError):
+    """The trainer's memory cgroup cannot hold the runs that may go on at once beside what it uses now."""
+
+
+def pool_memory_bytes() -> int:
+    """The most memory the runs of this node may hold at once: runs_at_once() x SANDBOX_RUN_MEMORY_BYTES."""
+    return runs_at_once() * SANDBOX_RUN_MEMORY_BYTES
+
+
+def _memory_room() -> tuple[int, int, str] | None:
+    """(limit, used, folder) of the tightest memory cgroup above this process (the slots live inside it: their
+    memory is charged to it too), or None where no limit is set or none can be read."""
+    try:
+        folders = _cgroup_folders()
+        if "memory" in folders:  # v1: the limit of the whole way up, in memory.stat
+            with open(os.path.join(folders["memory"], "memory.stat")) as f:
+                stats = dict(line.split() for line in f if line.strip())
+            limit = int(stats.get("hierarchical_memory_limit", 1 << 62))
+            with open(os.path.join(folders["memory"], "memory.usage_in_bytes")) as f:
+                used = int(f.read())
+            return (limit, used, folders["memory"]) if limit < 1 << 62 else None
+        tightest, folder = None, folders.get("unified")
+        while folder and os.path.isfile(os.path.join(folder, "memory.max")):  # v2: each level up to the root
+            with open(os.path.join(folder, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit != "max":
+                with open(os.path.join(folder, "memory.current")) as f:
+                    used = int(f.read())
+                if tightest is None or int(limit) - used < tightest[0] - tightest[1]:
+                    tightest = (int(limit), used, folder)
+            folder = os.path.dirname(folder) if folder != "/" else None
+        return tightest
+    except (OSError, ValueError):
+        return None
+
+
+_pool_stated = False
+
+
 def preflight() -> None:
     """Check, before anything slow, that runs can have their limits: raise CgroupsUnavailable with one line that
-    says what to do, unless the user opted in to per-process limits only (ALLOW_NO_CGROUP_ENV)."""
+    says what to do, unless the user opted in to per-process limits only (ALLOW_NO_CGROUP_ENV); raise
+    PoolMemoryTooSmall where the trainer's memory cgroup cannot hold the pool's memory beside what the trainer uses
+    now (a run that pushed it over would make the kernel kill a run: an honest program's reward 0). States the
+    pool's memory once, in one line."""
+    global _pool_stated
+    runs, pool, room = runs_at_once(), pool_memory_bytes(), _memory_room()
+    if room is not None and room[0] - room[1] < pool:
+        limit, used, folder = room
+        raise PoolMemoryTooSmall(
+            f"the trainer's memory cgroup ({folder}) allows {limit / 2**30:.1f} GiB with {used / 2**30:.1f} GiB used, "
+            f"but {runs} code runs at once may hold up to {pool / 2**30:.1f} GiB beside it; give the job more memory "
+            f"or set {SANDBOX_RUNS_ENV} to fewer runs at once"
+        )
+    if not _pool_stated:
+        _pool_stated = True
+        log.info(
+            "code sandbox: up to %d runs at once on this node, each bounded to %.1f GiB (its processes and its /tmp): "
+            "up to %.1f GiB beside the trainer%s; the runs are the OOM killer's first choice",
+            runs,
+            SANDBOX_RUN_MEMORY_BYTES / 2**30,
+            pool / 2**30,
+            f" (its memory cgroup allows {room[0] / 2**30:.1f} GiB, {room[1] / 2**30:.1f} GiB used now)" if room else "",
+        )
+    _node_core_folder()  # OSError: the node's run permits cannot be kept
     if allow_no_cgroup() or _cgroup_slots_made > 0:
         return
     _return_cgroups(_borrow_cgroups(wait_s=0.0))
@@ -714,6 +865,50 @@ def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
                 log.warning("code sandbox: cgroup %s not removed: %s", path, exc)
                 return
             time.sleep(0.005)
+
+
+# ----- one run per core of the node: every trainer process of this user on the node takes its runs' permits from
+# one folder of lock files, `cpu<n>` for each CPU n of its affinity (ranks that share cores share files, ranks pinned
+# to cores of their own do not), so the ranks of a torchrun together run at most one run per core
+
+NODE_CORE_POLL_S = 0.005  # how often a run waiting for a free core looks again
+_node_core_locks: set[int] = set()  # the lock files this process's runs hold (a forked child closes its copies)
+
+
+def _node_core_folder() -> str:
+    """`<tmp>/verifiers-cores-<uid>`: 0700 and ours, or OSError (the run does not go on)."""
+    path = os.path.join(tempfile.gettempdir(), f"verifiers-cores-{os.geteuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise OSError(f"{path} is not a private folder of this user: the node's run permits cannot be kept there")
+    return path
+
+
+def _take_node_core() -> int:
+    """One of the node's run permits, held until `_give_node_core`: an exclusive flock on `cpu<n>`, the first free
+    of this process's first runs_at_once() CPUs (a fresh open file each time: two threads of one process never
+    share a lock), waited for. The lock goes with the process, so a trainer that dies frees its permits. OSError:
+    the folder cannot be used."""
+    folder = _node_core_folder()
+    cpus = sorted(os.sched_getaffinity(0))[: runs_at_once()]
+    first = secrets.randbelow(len(cpus))
+    while True:
+        for cpu in cpus[first:] + cpus[:first]:
+            fd = os.open(os.path.join(folder, f"cpu{cpu}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _node_core_locks.add(fd)
+            return fd
+        time.sleep(NODE_CORE_POLL_S)
+
+
+def _give_node_core(fd: int) -> None:
+    _node_core_locks.discard(fd)
+    os.close(fd)  # this process's only descriptor of that open file: the lock goes with it
 
 
 # ----- one run
@@ -825,12 +1020,25 @@ def run(job: dict, timeout: float, mode: str | None = None) -> SandboxResult:
     mode = mode or sandbox_mode()
     if mode not in (*NAMESPACE_MODES, "fallback"):
         raise ValueError(f"code sandbox mode must be one of {(*NAMESPACE_MODES, 'fallback')}, got {mode!r}")
+    _register_fork_hook()
+    with _sandbox_slots:
+        try:
+            permit = _take_node_core()
+        except OSError as exc:
+            log.error("code sandbox: no run permit of this node: %s", exc)
+            return SandboxResult("error", mode, 0.0, f"code sandbox: no run permit of this node: {exc}")
+        try:
+            return _run_sandbox_now(job, timeout, mode)
+        finally:
+            _give_node_core(permit)
+
+
+def _register_fork_hook() -> None:
+    """At the first run or the first slot (preflight makes one before any run), not at import."""
     global _fork_hook_registered
-    if not _fork_hook_registered:  # at the first run, not at import
+    if not _fork_hook_registered:
         _fork_hook_registered = True
         os.register_at_fork(after_in_child=_after_fork_in_child)
-    with _sandbox_slots:
-        return _run_sandbox_now(job, timeout, mode)
 
 
 _sandbox_parent_path: str | None = None
@@ -967,6 +1175,8 @@ def _stop(proc: subprocess.Popen, slot: _Slot | None, run_id: str) -> bool:
     stage 0 has exited. After STOP_GRACE_S the trainer kills every other process of the run itself (stage 0 still
     reaps them); False if stage 0 is still there after that (a process that cannot die yet, in uninterruptible
     I/O): the caller hands the run to a thread that waits for it, its slot counted all the while."""
+    if slot is not None:  # a process that waits for a page behind the run's queued reads can die once they are read
+        _set_throttle(slot, lifted=True)
     if _wait_exit(proc, STOP_GRACE_S):
         return True
     _kill_run(slot, run_id, spare=proc.pid)
@@ -1030,6 +1240,10 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
                 fsize=SANDBOX_OUTPUT_BYTES,
                 nofile=SANDBOX_OPEN_FILES,
                 message=SANDBOX_MESSAGE_BYTES,
+                signals_queued=SANDBOX_SIGNALS_QUEUED,
+                message_queue_bytes=SANDBOX_MESSAGE_QUEUE_BYTES,
+                inotify_instances=SANDBOX_INOTIFY_INSTANCES,
+                inotify_watches=SANDBOX_INOTIFY_WATCHES,
                 tmp_bytes=SANDBOX_TMP_BYTES,
                 tmp_inodes=SANDBOX_TMP_INODES,
             )

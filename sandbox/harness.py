@@ -240,6 +240,10 @@ def build_view(job):
         mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=4k,nr_inodes=3")
         os.mkdir(job["judge_home"], 0o755)
     write_file("/proc/sys/user/max_user_namespaces", "0")  # no nested user namespace for the program
+    # inotify instances and watches are counted at every level of the user namespaces, up to the trainer's user
+    # on the host (128 instances there by default): the run gets its own small share
+    write_file("/proc/sys/user/max_inotify_instances", str(job["inotify_instances"]))
+    write_file("/proc/sys/user/max_inotify_watches", str(job["inotify_watches"]))
     if fresh_proc:
         for path in ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs"):
             if os.path.exists(path):
@@ -312,6 +316,9 @@ def set_limits(job):
     ]
     if job["sandbox"] != "fallback":  # counted per user namespace: this run's processes only
         limits.append(("RLIMIT_NPROC", job["processes"]))
+    # Charged to the trainer's user on the host as well as to the run (the kernel counts them at every level of
+    # the user namespaces): bounded per run, so that no run can take the whole of that user's allowance.
+    limits += [("RLIMIT_SIGPENDING", job["signals_queued"]), ("RLIMIT_MSGQUEUE", job["message_queue_bytes"])]
     for name, value in limits:
         resource.setrlimit(getattr(resource, name), (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (job["cpu"], job["cpu"] + 1))
@@ -399,16 +406,19 @@ ALLOWED_FROM_335 = {424, 434, 436, 439, 441, 449, 452}  # pidfd_send_signal, pid
 # epoll_pwait2, futex_waitv, fchmodat2
 SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (the run's network namespace is empty); AF_UNIX only as socketpair
 ALLOWED_SYSCALLS = sorted((set(range(335)) - OMITTED_BELOW_335) | ALLOWED_FROM_335)
-# Answered 0 without being run: msync, fsync, fdatasync, sync, fadvise64, sync_file_range, syncfs. A program's only
-# writable files are on its tmpfs, where they do nothing; on the host's files they would make the disk flush, wait
-# uninterruptibly for the host's writeback, or (fadvise DONTNEED) drop pages that an honest run beside it then has
-# to read from the disk again.
-NO_OP_SYSCALLS = (26, 74, 75, 162, 221, 277, 306)
+# Answered 0 without being run: msync, fsync, fdatasync, sync, readahead, fadvise64, sync_file_range, syncfs. A
+# program's only writable files are on its tmpfs, where they do nothing; on the host's files they would make the
+# disk flush, wait uninterruptibly for the host's writeback, or (fadvise DONTNEED) drop pages that an honest run
+# beside it then has to read from the disk again. readahead and fadvise WILLNEED (like madvise MADV_WILLNEED, below)
+# queue reads that return at once: thousands of them wait in the slot's read throttle after the run's deadline,
+# and a page fault behind that queue cannot be killed.
+NO_OP_SYSCALLS = (26, 74, 75, 162, 187, 221, 277, 306)
 # Answered ENOSYS: clone3 and openat2, whose flags live in memory that BPF cannot read (glibc and CPython use
 # clone and openat, or fall back to them).
 ENOSYS_SYSCALLS = (435, 437)
 O_DIRECT, F_SETFL = 0o40000, 4  # x86_64: reads past the page cache, waited for uninterruptibly
 MADV_ALLOWED = ((0, 19), (22, 25))  # madvise: not MADV_COLD (20) or MADV_PAGEOUT (21), which evict others' pages
+MADV_WILLNEED = 3  # answered 0 without being run (see NO_OP_SYSCALLS)
 RWF_ALLOWED = 0x17  # preadv2/pwritev2: HIPRI, DSYNC, SYNC, APPEND; not NOWAIT (asks the page cache without reading)
 
 
@@ -417,7 +427,8 @@ def seccomp_program():
     first): default deny. Allowed: the system calls of ALLOWED_SYSCALLS, with these checks of their arguments:
     socket only for the families of SOCKET_FAMILIES (no AF_UNIX path to a host service, no vsock, netlink, packet,
     ...: EPERM), socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag, open/openat without O_DIRECT
-    and fcntl(F_SETFL) not setting it, madvise only with the advice of MADV_ALLOWED, preadv2/pwritev2 only with the
+    and fcntl(F_SETFL) not setting it, madvise only with the advice of MADV_ALLOWED (MADV_WILLNEED: 0, not run),
+    preadv2/pwritev2 only with the
     flags of RWF_ALLOWED (every one of these arguments is an int or is read as one by the kernel: the low half is
     the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other architecture: the process is
     killed (an x32-ABI call: EPERM)."""
@@ -452,7 +463,8 @@ def seccomp_program():
     p += only(72, [arg(1), op(jeq, 0, 3, F_SETFL), arg(2), op(jset, 0, 1, O_DIRECT), no, yes])  # fcntl
     (lo1, hi1), (lo2, hi2) = MADV_ALLOWED
     assert lo1 == 0
-    p += only(28, [arg(2), op(jgt, 3, 0, hi2), op(jge, 3, 0, lo2), op(jgt, 1, 0, hi1), yes, no, yes])  # madvise
+    willneed = [op(jeq, 0, 1, MADV_WILLNEED), op(ret, 0, 0, errno_)]
+    p += only(28, [arg(2), *willneed, op(jgt, 3, 0, hi2), op(jge, 3, 0, lo2), op(jgt, 1, 0, hi1), yes, no, yes])  # madvise
     for nr in (327, 328):  # preadv2, pwritev2
         p += only(nr, [arg(5), op(jset, 0, 1, ~RWF_ALLOWED), no, yes])
     intervals = []  # the allowed numbers as runs [lo, hi]
@@ -788,6 +800,16 @@ class WholeEvaluation:
             left = right
         return result
 
+    def call(self, function, argument, whole_items):
+        """`function(argument)`, the argument evaluated after the function as Python does. When the function is the
+        builtin all or any, however it was reached (`every = all`, `builtins.all`, `__builtins__['any']`), every item
+        is drawn first (`whole_items`: the captures of a generator's items, else None)."""
+        if function is builtins.all or function is builtins.any:
+            if whole_items is not None:
+                return self.every(function, whole_items(), True)
+            return self.every(function, argument(), False)
+        return function(argument())
+
     def every(self, function, items, captured):
         """all(...) / any(...) over items all drawn first (`captured`: a list of captures; else an iterable, drawn
         to its end here, an exception of one item not stopping the others where the iterator goes on: map does,
@@ -886,21 +908,29 @@ def whole_expressions(tree, wrap_top_level):
                 return node
             return helper("choose", [capture(node.test), capture(node.body), capture(node.orelse)])
 
-        def visit_Call(self, node):
+        def visit_Assign(self, node):  # `check = lambda candidate: ...`: its body is the guarded code
+            self.generic_visit(node)
+            if not self.active and not wrap_top_level and isinstance(node.value, ast.Lambda):
+                if any(isinstance(target, ast.Name) and target.id == "check" for target in node.targets):
+                    node.value = self.scoped(node.value, True, False)
+            return node
+
+        def visit_Call(self, node):  # one argument: all/any are known at run time, by what the function is
             self.generic_visit(node)
             if not (
                 self.active
-                and isinstance(node.func, ast.Name)
-                and node.func.id in ("all", "any")
                 and len(node.args) == 1
                 and not node.keywords
                 and not isinstance(node.args[0], ast.Starred)
+                and safe(node.func)
+                and safe(node.args[0])
             ):
                 return node
-            items, captured = node.args[0], False
-            if isinstance(items, ast.GeneratorExp) and safe(items):
-                items, captured = ast.ListComp(capture(items.elt), items.generators), True
-            return helper("every", [node.func, items, ast.Constant(captured)])
+            items, whole = node.args[0], ast.Constant(None)
+            if isinstance(items, ast.GeneratorExp):
+                whole = ast.Lambda(ast.arguments([], [], None, [], [], None, []), ast.ListComp(capture(items.elt), items.generators))
+            thunk = ast.Lambda(ast.arguments([], [], None, [], [], None, []), items)
+            return helper("call", [node.func, thunk, whole])
 
     return Rewrite().visit(tree)
 
@@ -1106,6 +1136,9 @@ def main():
     if os.read(go_fd, 1) != b"1":  # the trainer has moved us into the run's cgroups: fork only after that
         os._exit(3)
     os.close(go_fd)
+    # every process of the run is the OOM killer's first choice (inherited; raising it needs no privilege, lowering
+    # it again needs CAP_SYS_RESOURCE, which no process of the run has on the host), never the trainer
+    write_file("/proc/self/oom_score_adj", "1000")
     libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # stage 0 (not inherited by its children)
     if job["sandbox"] != "fallback":
         enter_namespaces(job, life_fd)
