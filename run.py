@@ -468,6 +468,10 @@ common.CONSOLE.propagate = False
 
 
 common.CONSOLE.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.ERROR)  # torchrun: rank 0 speaks
+# the code sandbox's own lines (its mode, its pool's memory, a slot that did not empty) on the same console
+SANDBOX_LOG = logging.getLogger("verifiers.sandbox")
+SANDBOX_LOG.addHandler(_ConsoleHandler())
+SANDBOX_LOG.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):

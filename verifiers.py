@@ -1264,7 +1264,8 @@ def code_reward(completion: str, problem: dict, timeout: float = CODE_TIMEOUT_S)
 def code_rewards_batch(
     completions: list[str], problems: list[dict], timeout: float = CODE_TIMEOUT_S, workers: int | None = None
 ) -> list[float | None]:
-    """`code_reward` over pairs, concurrently (at most one sandbox per core), in order."""
+    """`code_reward` over pairs, concurrently (at most one sandbox per core of the node, all ranks together), in
+    order."""
     if len(completions) != len(problems):
         raise ValueError(f"code_rewards_batch: {len(completions)} completions but {len(problems)} problems")
     timeout = _check_timeout(timeout)

@@ -1130,15 +1130,16 @@ def main():
     import resource
 
     status_fd, job_fd, secret_fd, go_fd, life_fd = map(int, sys.argv[1:6])
+    # every process of the run is the OOM killer's first choice (inherited; raising it needs no privilege, lowering
+    # it again needs CAP_SYS_RESOURCE, which no process of the run has on the host), never the trainer. Written while
+    # this process is still dumpable: an undumpable one's /proc files are root's, closed to a non-root trainer's.
+    write_file("/proc/self/oom_score_adj", "1000")
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
     with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
         job = json.loads(f.read())
     if os.read(go_fd, 1) != b"1":  # the trainer has moved us into the run's cgroups: fork only after that
         os._exit(3)
     os.close(go_fd)
-    # every process of the run is the OOM killer's first choice (inherited; raising it needs no privilege, lowering
-    # it again needs CAP_SYS_RESOURCE, which no process of the run has on the host), never the trainer
-    write_file("/proc/self/oom_score_adj", "1000")
     libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # stage 0 (not inherited by its children)
     if job["sandbox"] != "fallback":
         enter_namespaces(job, life_fd)

@@ -66,6 +66,7 @@ FOUND = [libc.shmget({IPC_KEY}, 0, 0) >= 0, libc.msgget({IPC_KEY}, 0) >= 0, libc
          librt.mq_open({MQ_NAME!r}, os.O_RDONLY) >= 0]
 MADE = [libc.shmget({IPC_KEY}, 4096, 0o1666) >= 0, libc.msgget({IPC_KEY}, 0o1666) >= 0,
         libc.semget({IPC_KEY}, 1, 0o1666) >= 0, librt.mq_open({MQ_NAME!r}, os.O_CREAT | os.O_RDWR, 0o666, None) >= 0]
+MADE[3] = MADE[3] or ctypes.get_errno() == 24  # EMFILE: a run may make no POSIX queue (RLIMIT_MSGQUEUE 0, round five)
 os.write(2, f"found {{FOUND}} made {{MADE}}".encode())
 
 def add(a, b):
