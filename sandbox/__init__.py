@@ -42,11 +42,16 @@ from typing import NamedTuple
 log = logging.getLogger("verifiers.sandbox")  # under the verifiers logger: its level and handlers apply
 
 
-def num_cores() -> int:
+def cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return sorted(os.sched_getaffinity(0)) or [0]
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        return list(range(max(1, os.cpu_count() or 1)))
+
+
+def num_cores() -> int:
+    return len(cpus())
 
 
 # Folders of third-party packages that sandboxed programs and math workers may import from. They
@@ -891,10 +896,10 @@ def _take_node_core() -> int:
     share a lock), waited for. The lock goes with the process, so a trainer that dies frees its permits. OSError:
     the folder cannot be used."""
     folder = _node_core_folder()
-    cpus = sorted(os.sched_getaffinity(0))[: runs_at_once()]
-    first = secrets.randbelow(len(cpus))
+    permits = cpus()[: runs_at_once()]
+    first = secrets.randbelow(len(permits))
     while True:
-        for cpu in cpus[first:] + cpus[:first]:
+        for cpu in permits[first:] + permits[:first]:
             fd = os.open(os.path.join(folder, f"cpu{cpu}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
