@@ -155,7 +155,10 @@ def opd_metrics(opd_sums: torch.Tensor) -> dict:
 def check_teacher(args, student_tokenizer) -> None:
     """One line (UserError) for a teacher this script cannot use: none given, LoRA adapters alone, an incomplete folder,
     or a tokenizer other than the student's (the same vocabulary, token for token: a token id must mean the same in both
-    models, or log pi_T(o_it) scores another token; cross-tokenizer distillation is out of scope)."""
+    models, or log pi_T(o_it) scores another token; cross-tokenizer distillation is out of scope). --eval-only
+    evaluates the student alone: no teacher needed, none checked."""
+    if args.eval_only:
+        return
     if not args.teacher:
         raise verifiers.UserError(
             "--teacher is required: a hub id, a local model folder or a run's final/ (e.g. python grpo.py --run-name "
@@ -178,8 +181,9 @@ def check_teacher(args, student_tokenizer) -> None:
 
 def load_teacher(args, device: torch.device):
     """The frozen teacher --teacher: a model of its own, never the policy object (a LoRA student's base included), in
-    the compute dtype, no optimizer state, FSDP2-sharded like the policy under torchrun (models.load_frozen)."""
-    return models.load_frozen(args, args.teacher, device)
+    the compute dtype, no optimizer state, FSDP2-sharded like the policy under torchrun (models.load_frozen); None
+    under --eval-only."""
+    return None if args.eval_only else models.load_frozen(args, args.teacher, device)
 
 
 def main(args: Args) -> None:

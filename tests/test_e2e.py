@@ -204,7 +204,7 @@ def test_bad_input_one_clear_line(flags, needle, toy, tmp_path):
         assert "'prompt'" in err_lines[0] and "'solution'" in err_lines[0]  # lists the fields it has
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [*METHODS, "opd"])  # opd.py evaluates its student with no --teacher
 def test_eval_only_writes_eval_rows_and_per_sample_correctness(method, toy, tmp_path):
     flags = [
         "--model",
