@@ -1217,7 +1217,10 @@ def check_code_tests(task: Task) -> None:
     first = f"{where[bad[0][0]]}: {bad[0][1]}"
     if len(bad) == len(task.problems):
         raise UserError(f"dataset {task.name}: none of its {len(bad)} code problems can be judged (first: {first})")
-    print(f"warning: dataset {task.name}: dropped {len(bad)} of {len(task.problems)} code problems (first: {first})", file=sys.stderr)
+    print(
+        f"warning: dataset {task.name}: dropped {len(bad)} of {len(task.problems)} code problems (first: {first})",
+        file=sys.stderr,
+    )
     dropped = {i for i, _ in bad}
     keep = [i for i in range(len(task.problems)) if i not in dropped]
     task.problems = [task.problems[i] for i in keep]

@@ -928,7 +928,9 @@ def whole_expressions(tree, wrap_top_level):
                 return node
             items, whole = node.args[0], ast.Constant(None)
             if isinstance(items, ast.GeneratorExp):
-                whole = ast.Lambda(ast.arguments([], [], None, [], [], None, []), ast.ListComp(capture(items.elt), items.generators))
+                whole = ast.Lambda(
+                    ast.arguments([], [], None, [], [], None, []), ast.ListComp(capture(items.elt), items.generators)
+                )
             thunk = ast.Lambda(ast.arguments([], [], None, [], [], None, []), items)
             return helper("call", [node.func, thunk, whole])
 

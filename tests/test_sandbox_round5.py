@@ -499,8 +499,12 @@ def test_the_ranks_of_a_node_run_at_most_one_run_per_core_together():
     share the node's permits: never more programs running at once than cores."""
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK], cwd=HERE, env=dict(os.environ, PYTHONPATH=HERE, LOCAL_WORLD_SIZE="2"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", RANK],
+            cwd=HERE,
+            env=dict(os.environ, PYTHONPATH=HERE, LOCAL_WORLD_SIZE="2"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for _ in range(2)
     ]
