@@ -202,8 +202,8 @@ def request_seed_base(seed: int) -> int:
 
 class StaticHFEngine(HFEngine):
     """HFEngine with a static KV cache and its decode step captured as CUDA graphs: what make_engine builds on a GPU
-    in one process, generating from a bf16 copy of the trainer's weights (FSDP2's gathers under torchrun cannot be
-    captured). Where there is no CUDA the same loop runs eagerly (the tests: the same tokens as HFEngine's). On its
+    in one process, generating from a low-precision copy of the trainer's weights (bf16; fp16 under --dtype fp16),
+    its KV cache in the copy's dtype (FSDP2's gathers under torchrun cannot be captured). Where there is no CUDA the same loop runs eagerly (the tests: the same tokens as HFEngine's). On its
     copy (not on the trainer's own model) SDPA runs as _gqa_sdpa: keys and values not copied per query head."""
 
     def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None):
@@ -213,7 +213,7 @@ class StaticHFEngine(HFEngine):
             self.sampler.config._attn_implementation = GQA_SDPA
 
     def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
-        with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype (bf16)
+        with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype
             return self._static_sample(input_ids, attention, n, max_new_tokens, temperature, generators)
 
     def _static_sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
@@ -224,7 +224,7 @@ class StaticHFEngine(HFEngine):
         model = self.sampler
         R, W = input_ids.shape
         S, device = -(-(W + max_new_tokens) // 16) * 16, input_ids.device  # keys: a multiple of 16 (aligned masks)
-        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype  # what it computes in: autocast is off here (_sample)
         cache = StaticKV.allocate(model.config, R, S, dtype, device)
         body = getattr(model, model.base_model_prefix)
         takes_cache_position = "cache_position" in inspect.signature(body.forward).parameters  # older transformers
@@ -376,7 +376,7 @@ def _bucket(rows: int, most: int) -> int:
 def _as_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """A boolean mask (True: attend) as the model's attention takes it: bool for SDPA, additive for eager."""
     if model.config._attn_implementation == "eager":
-        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype  # the static loop computes in its weights' dtype (autocast off)
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return allowed
 

@@ -780,9 +780,9 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     log-probs; the HF engine returns them for a correction (--rollout-is) or when `engine_logps` asks. --dtype (bf16 |
     fp16): vLLM's weights on a GPU; --gpu-memory-utilization, --vllm-sleep-level: vLLM's; --max-position-embeddings
     > 0: vLLM's model config gets it too (hf_overrides). --engine-dtype bf16: the HF engine generates with a bf16 copy
-    of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: that on a GPU in one process
-    (its static KV cache and CUDA graphs run on the copy), the trainer's own weights elsewhere. --gen-batch-size: the
-    HF engine's rows generated together (run.setup resolved 0)."""
+    of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: a copy in --dtype (bf16, or
+    fp16) on a GPU in one process (its static KV cache and CUDA graphs run on the copy), the trainer's own weights
+    elsewhere (engine_copy_dtype). --gen-batch-size: the HF engine's rows generated together (run.setup resolved 0)."""
     kind = args.engine
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
@@ -798,9 +798,21 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
         )
     return_logps = engine_logps or args.rollout_is != "none"  # a correction needs the engine's log-probs
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
-    low = args.engine_dtype == "bf16" or (args.engine_dtype == "auto" and on_gpu)
-    hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=torch.bfloat16 if low else None)
+    copy_dtype = engine_copy_dtype(args, on_gpu)
+    low = copy_dtype is not None
+    hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return engines.StaticHFEngine(model, tokenizer, **hf)
     return engines.HFEngine(model, tokenizer, **hf)
+
+
+def engine_copy_dtype(args, on_gpu: bool) -> torch.dtype | None:
+    """The dtype of the HF engine's copy of the weights (None: it generates on the trainer's own model):
+    --engine-dtype bf16: bf16; auto: on a GPU in one process a copy in the compute dtype --dtype (fp16 under
+    --dtype fp16, so the engine rounds as the trainer's autocast does), elsewhere none."""
+    if args.engine_dtype == "bf16":
+        return torch.bfloat16
+    if args.engine_dtype == "auto" and on_gpu:
+        return torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    return None

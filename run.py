@@ -142,7 +142,8 @@ class Args:
         "auto",
         "the hf engine's weights for generation: bf16 (a bf16 copy refreshed at every weight sync, the trainer's "
         "fp32 weights untouched; its mismatch is logged: docs/mismatch.md), trainer (the trainer's own); auto: bf16 "
-        "on a GPU in one process (with a static KV cache and CUDA graphs), the trainer's elsewhere",
+        "on a GPU in one process (with a static KV cache and CUDA graphs; under --dtype fp16 the copy is fp16), the "
+        "trainer's elsewhere",
     )
     gpu_memory_utilization: float = arg(
         0.35,

@@ -409,3 +409,38 @@ def test_the_captured_decode_step_never_waits_for_the_device(tiny_path, monkeypa
         len(calls) > 1 and len(set(calls)) > 1 and {"embedding", "index_copy_"} <= seen
     )  # the model ran, the cache was written
     assert not SYNCING_OPS & seen, sorted(SYNCING_OPS & seen)
+
+
+# ----- --dtype fp16 (issue 50)
+
+
+def test_static_engine_sizes_its_cache_from_its_copy_not_the_trainers_autocast(tiny_path):
+    """A trainer under --dtype fp16 (autocast_dtype fp16) with a bf16 copy: the static loop's KV cache and masks take
+    the copy's dtype (autocast is off there), so SDPA gets query, keys and values of one dtype; the same tokens as
+    HFEngine's bf16 copy. Before issue 50 the cache was fp16 and SDPA raised "Expected query, key, and value to have
+    the same dtype"."""
+    tok = models.load_tokenizer(tiny_path)
+    model = models.load_model(tiny_path, torch.device("cpu"))
+    model.rlvr_traits = common.ModelTraits(autocast_dtype=torch.float16)  # what load_model sets on CUDA for fp16
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    for attention in ("sdpa", "eager"):
+        model.config._attn_implementation = attention
+        static = engines.StaticHFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
+        out = static.generate(prompts, 2, 6, 1.0, seed=4, progress=False)
+        assert len(out) == 2 * len(prompts) and all(len(c) >= 1 for c in tiny.completions(out)), attention
+    model.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize(
+    "engine_dtype,dtype,on_gpu,want",
+    [
+        ("auto", "fp16", True, torch.float16),  # the copy rounds as the trainer's fp16 autocast does
+        ("auto", "bf16", True, torch.bfloat16),
+        ("auto", "fp16", False, None),  # elsewhere: the trainer's own weights
+        ("bf16", "fp16", True, torch.bfloat16),  # asked for by name
+        ("trainer", "bf16", True, None),
+    ],
+)
+def test_the_engine_copy_takes_the_compute_dtype_under_auto(engine_dtype, dtype, on_gpu, want):
+    args = run.Args(engine="hf", engine_dtype=engine_dtype, dtype=dtype)
+    assert models.engine_copy_dtype(args, on_gpu) == want
