@@ -355,9 +355,10 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, s
     kv_heads = key.shape[1]
     if q != 1 or heads == kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    grouped = query.view(b, kv_heads, heads // kv_heads, d)  # (b, Hkv, g, d)
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, d)  # (b, Hkv, g, d)
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # (b, Hkv, g, d)
-    return out.view(b, heads, 1, d).transpose(1, 2).contiguous(), None  # (b, 1, H, d), as transformers' SDPA returns
+    # reshape, not view: a kernel may return its output in another memory layout (the mem-efficient one: transposed)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None  # (b, 1, H, d), as transformers' SDPA returns
 
 
 def _register_gqa_sdpa() -> None:

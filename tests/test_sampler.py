@@ -444,3 +444,27 @@ def test_static_engine_sizes_its_cache_from_its_copy_not_the_trainers_autocast(t
 def test_the_engine_copy_takes_the_compute_dtype_under_auto(engine_dtype, dtype, on_gpu, want):
     args = run.Args(engine="hf", engine_dtype=engine_dtype, dtype=dtype)
     assert models.engine_copy_dtype(args, on_gpu) == want
+
+
+def test_grouped_query_attention_takes_any_memory_layout_sdpa_returns(monkeypatch):
+    """SDPA's memory-efficient kernel (chosen on A100, L40S, A10G, or with TORCH_CUDNN_SDPA_DEPRIORITIZED=1) returns
+    its output (b, Hkv, g, d) in a transposed memory layout, which a .view cannot merge into (b, H, 1, d) ("view
+    size is not compatible"): _gqa_sdpa reshapes it and gives the same output."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
+    mask = torch.rand(5, 1, 1, 40) < 0.7
+    mask[..., 0] = True
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):  # the same values, laid out as the mem-efficient kernel lays them out
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
+    ours, _ = engines._gqa_sdpa(module, q, k, v, mask, scaling=0.25)
+    assert ours.shape == theirs.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-6)
