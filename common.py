@@ -56,7 +56,7 @@ class World:
 
     rank, world_size, local_rank = 0, 1, 0
     device: torch.device | None = None
-    enabled = False  # several processes?
+    enabled = False  # under torchrun (at any world size: a process group, FSDP2)?
     is_main = True  # the process that writes files and the console
 
     def sum(self, values):  # an all-reduce SUM of a float, a tensor or a dict of floats
@@ -229,8 +229,8 @@ def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: 
 
 
 def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
-    """n completions for each of the P prompts (token id lists). World size 1: engine.generate on all of them (a
-    RolloutBatch). Several processes: each rank generates the groups World.deal_groups gives it from the mini-batch
+    """n completions for each of the P prompts (token id lists). One process: engine.generate on all of them (a
+    RolloutBatch). Under torchrun (any world size): each rank generates the groups World.deal_groups gives it from the mini-batch
     plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same tokens on any rank) -> a
     ShardedRollout."""
     w = world()

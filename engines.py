@@ -510,7 +510,7 @@ class VLLMEngine:
     process it runs in (the GPU build, unless OMP_NUM_THREADS is set): the trainer's count is restored after the
     engine is built and around each call into it.
 
-    Under torch.distributed (world size > 1, e.g. torchrun): one independent engine per rank, built by all ranks
+    Under torchrun (at any world size): one independent engine per rank, built by all ranks
     together (construction runs collectives on the existing process group), each generating its own prompts;
     push_weights is then a collective too (FSDP2 parameters are gathered with full_tensor())."""
 
@@ -557,7 +557,7 @@ class VLLMEngine:
             )
         self.world_size, self.rank = common.world().world_size, common.world().rank
         distributed = {}
-        if self.world_size > 1:
+        if common.world().enabled:  # torchrun, at any world size
             # vLLM's "external data parallel" layout: one engine per rank in this process (external_launcher, a
             # UniProcExecutor, so reload_weights serves the push as with one process), TP = PP = DP = 1: N
             # replicas that generate independently; built by all ranks together (docs/vllm.md, "Several processes")

@@ -428,7 +428,7 @@ def shard_model(model):
     are not recursive):
     each rank's loss already carries the global denominators (mini-batch tokens or rows), so the sum is the
     one-process gradient. completion_logps' path (the body + the LM head weight, not model.forward) is
-    registered as an FSDP forward method. World size 1: the model unchanged."""
+    registered as an FSDP forward method. One process (no torchrun): the model unchanged."""
     if not common.world().enabled:
         return model
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -448,7 +448,7 @@ def shard_model(model):
 def load_policy(args, model_path: str, device: torch.device, lora: LoRA | None = None):
     """The model the run trains: load_model with the run's flags (--gradient-checkpointing, --dtype, --compile,
     --max-position-embeddings; `lora`: adapters on it), then FSDP2-sharded over the ranks under torchrun (shard_model;
-    world size 1: unchanged)."""
+    one process without torchrun: unchanged)."""
     model = load_model(
         model_path,
         device,

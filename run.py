@@ -6,7 +6,8 @@ flags         Args and arg (the common flags; a script subclasses Args), ARG_CHE
 command line  command_line (a UserError or RunError of verifiers.py becomes one line), parse_args, load_config
               (--config)
 start         setup (checks, torchrun, threads, seeds, device) -> (common.World, device)
-processes     init_world -> DistributedWorld (torchrun; common.World.install), env_world_size
+processes     init_world -> DistributedWorld (torchrun at any world size; common.World.install), env_world_size,
+              under_torchrun
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ def _check_cross(args) -> str | None:
         )
     if args.engine_dtype == "bf16" and args.engine == "vllm":
         return "--engine-dtype bf16 is the hf engine's: vLLM's weights take --dtype (bf16 on a GPU already)"
-    if args.engine_dtype == "bf16" and W > 1:
+    if args.engine_dtype == "bf16" and under_torchrun():
         return "--engine-dtype bf16 runs in one process only (a bf16 copy of FSDP2-sharded weights is not wired up)"
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
@@ -664,8 +665,9 @@ def seed_everything(seed: int) -> None:
 
 # ----- several processes (torchrun + FSDP2; docs/distributed.md)
 #
-# `python gapo.py` is world size 1: no process group, no wrapping, and every common.World method returns its input
-# (the numbers of a one-process run). Under `torchrun --nproc-per-node N` every rank runs the same script on the same
+# `python gapo.py` is one process: no process group, no wrapping, and every common.World method returns its input
+# (the numbers of a one-process run). Under `torchrun --nproc-per-node N`, N = 1 too (the distributed path then runs
+# on one GPU: the process group, FSDP2, the FSDP HF engine), every rank runs the same script on the same
 # seeded prompts and mini-batch plan; whole prompt groups are dealt to ranks, each generates and trains only its
 # rows, per-row scalars (rewards, lengths, what a method needs) are shared so that every rank computes the group
 # and batch statistics of the whole batch, and loss denominators are global (FSDP sums gradients, it does not
@@ -683,6 +685,12 @@ def env_world_size() -> int:
         raise UserError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number; launch with torchrun") from None
 
 
+def under_torchrun() -> bool:
+    """A launch by torchrun at any world size (1 too): the env:// rendezvous variables it sets (RANK, MASTER_ADDR,
+    MASTER_PORT) are there, or WORLD_SIZE says more than one process. A plain `python` run sets none of them."""
+    return env_world_size() > 1 or all(v in os.environ for v in ("RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def minibatch_group_counts(num_prompts: int, num_minibatches: int) -> list[int]:
     """Prompt groups per mini-batch of group_shuffled_minibatches (ceil(P/M) each, the last one the rest)."""
     per = math.ceil(num_prompts / num_minibatches)
@@ -695,7 +703,7 @@ class DistributedWorld(common.World):
 
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device):
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
-        self.enabled, self.is_main = world_size > 1, rank == 0
+        self.enabled, self.is_main = True, rank == 0  # torchrun at any world size: collectives on the group
         self._closers: list[Callable[[], None]] = []  # run by shutdown() before the process group goes
 
     # -- splitting a batch ---------------------------------------------------------------------
@@ -729,7 +737,7 @@ class DistributedWorld(common.World):
             out[big : big + 1] = _split_micro_batch(out[big])
         return out
 
-    # -- collectives (identity at world size 1) ------------------------------------------------
+    # -- collectives over the process group (at world size 1 they return their input) --------
     def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """values (B, ...) valid on this rank's `rows` only -> valid on every row, on every rank (each row has
         exactly one owner: a SUM of the owner's value and zeros, exact in any dtype)."""
@@ -829,9 +837,9 @@ def _split_micro_batch(micro):
 
 
 def init_world() -> common.World:
-    """Under torchrun: join the process group (gloo on CPU, NCCL with the rank's GPU) and quiet the other ranks
-    (quiet_rank). Plain `python`: world size 1, nothing happens."""
-    if env_world_size() == 1 or common.world().enabled:
+    """Under torchrun, at any world size (1 too): join the process group (gloo on CPU, NCCL with the rank's GPU) and
+    quiet the other ranks (quiet_rank). Plain `python`: one process, nothing happens."""
+    if not under_torchrun() or common.world().enabled:
         return common.world()
     import datetime
 

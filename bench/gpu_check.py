@@ -17,7 +17,9 @@ MB), in this process unless what is checked is a launcher:
   resume, eval-only            grpo resumed from its step-1 checkpoint (step 2's rewards as uninterrupted), then
                                --eval-only on its final/
   precision                    an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16 weights (bench/bf16_update.py)
-  torchrun, torchrun-resume    subprocesses: torchrun --nproc-per-node 1 (NCCL, FSDP2), then resumed in one process
+  torchrun, torchrun-resume    torchrun --nproc-per-node 1 in a subprocess: the distributed path on one GPU (an NCCL
+                               process group, FSDP2, the FSDP HF engine; its checkpoint's per-rank generator states
+                               say so), then resumed in one process
 Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gpu_step.py's functions):
   gen-0.5b        StaticHFEngine, HFEngine and transformers' generate, bf16 weights, 16 prompts x 8 x 256 tokens
   step-0.5b       the training step without checkpointing: tokens/s, MFU, peak memory against bench/memory_plan.py
@@ -110,6 +112,19 @@ def rows_of(run_dir: str) -> list[dict]:
 def finite_rows(rows: list[dict]) -> bool:
     """Every number of every row finite (a NaN loss or gradient is a failure)."""
     return all(not isinstance(v, float) or math.isfinite(v) for row in rows for v in row.values())
+
+
+def distributed_figures(run_dir: str) -> dict:
+    """run_figures, and whether the run ran on a process group: its last checkpoint holds every rank's generator
+    state (`rng_ranks`), which only a run under a process group (FSDP2, synced engine) writes."""
+    import torch
+
+    figs = run_figures(run_dir)
+    last = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1]
+    state = torch.load(os.path.join(run_dir, "checkpoints", last, "trainer_state.pt"), weights_only=False)
+    figs["process_group"] = "rng_ranks" in state
+    figs["finite"] = figs["finite"] and figs["process_group"]
+    return figs
 
 
 def run_figures(run_dir: str) -> dict:
@@ -381,14 +396,14 @@ def main() -> int:
 
     check.step("precision", precision)
 
-    # torchrun with one process: the process group (NCCL on a GPU, gloo on CPU) and FSDP2, then resumed in one process
+    # torchrun with one process: the distributed path (NCCL on a GPU, gloo on CPU; FSDP2), then resumed in one process
     torchrun = [a.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     tr_dir = os.path.join(runs, "torchrun")
     check.subprocess(
         "torchrun",
         [*torchrun, "grpo.py", *base, "--total-steps", str(steps), "--run-name", "torchrun"],
         240,
-        lambda: run_figures(tr_dir),
+        lambda: distributed_figures(tr_dir),
     )
     check.step(
         "torchrun-resume",
