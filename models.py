@@ -800,6 +800,8 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
     copy_dtype = engine_copy_dtype(args, on_gpu)
     low = copy_dtype is not None
+    if not args.gen_batch_size:  # run.setup leaves 0 on a GPU: the rows that fit its free memory
+        args.gen_batch_size = gen_batch_for_device(model, max_model_len, copy_dtype)
     hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
@@ -816,3 +818,49 @@ def engine_copy_dtype(args, on_gpu: bool) -> torch.dtype | None:
     if args.engine_dtype == "auto" and on_gpu:
         return torch.float16 if args.dtype == "fp16" else torch.bfloat16
     return None
+
+
+# ----- the HF engine's batch on a GPU (--gen-batch-size 0): the rows its free memory holds
+
+GEN_BATCH_MAX = 1024  # the most rows the HF engine generates together when it sizes its batch itself
+GEN_MEMORY_SHARE = 0.8  # of the free memory for the rows (the rest: the prompts' prefill, the allocator's slack)
+
+
+def engine_row_bytes(config, context: int, dtype_bytes: int = 2) -> int:
+    """GPU bytes one generated row costs the HF engine: its KV cache over `context` tokens (keys and values of every
+    layer in the engine's dtype, the context rounded up to 16 as StaticKV does) and the sampler's temporaries over
+    the vocabulary (the logits in the engine's dtype, then fp32 scores, softmax and log-softmax and the fp64
+    cumulative sum: dtype + 20 bytes a vocabulary entry). `config`: a transformers config or its dict."""
+    cfg = config if isinstance(config, dict) else config.get_text_config().to_dict()
+    heads = cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * (-(-context // 16) * 16)
+    return kv + (dtype_bytes + 20) * cfg["vocab_size"]
+
+
+def gen_batch_from_memory(free_bytes: float, row_bytes: int, most: int = GEN_BATCH_MAX) -> int:
+    """The rows GEN_MEMORY_SHARE of `free_bytes` holds at `row_bytes` each: at least 1, at most `most`."""
+    return max(1, min(most, int(GEN_MEMORY_SHARE * max(free_bytes, 0)) // row_bytes))
+
+
+def gen_batch_for_device(model, context: int, copy_dtype) -> int:
+    """--gen-batch-size 0 on a GPU: the rows that fit the device's free memory (the allocator's cached blocks
+    included) once the engine's copy of the weights and AdamW's moments (allocated at the first update) are
+    taken out, at engine_row_bytes a row; one line says it."""
+    device = next(model.parameters()).device
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: this rank's shard
+    moments = sum(2 * p.numel() * p.element_size() for p, q in zip(local, model.parameters()) if q.requires_grad)
+    copy = sum(p.numel() for p in local) * copy_dtype.itemsize if copy_dtype is not None else 0
+    dtype = copy_dtype or common.model_traits(model).autocast_dtype or local[0].dtype
+    row = engine_row_bytes(model.config, context, dtype.itemsize)
+    rows = gen_batch_from_memory(free - moments - copy, row)
+    common.CONSOLE.info(
+        f"--gen-batch-size 0: {rows} rows generated together ({free / 1e9:.1f} GB free of {total / 1e9:.1f} GB, "
+        f"{(moments + copy) / 1e9:.1f} GB of it kept for AdamW's moments and the engine's copy; "
+        f"{GEN_MEMORY_SHARE:g} of the rest at {row / 2**20:.1f} MiB a row: the KV cache over {context} tokens and the "
+        f"sampler over the vocabulary)"
+    )
+    return rows
+

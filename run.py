@@ -138,7 +138,11 @@ class Args:
         "longest pack); 0: 1024 on CPU, 16384 on a GPU",
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(0, "sequences generated together (hf engine; bounds its KV cache); 0: 64 on CPU, 256 on a GPU")
+    gen_batch_size: int = arg(
+        0,
+        "sequences generated together (hf engine; bounds its KV cache); 0: 64 on CPU, on a GPU the rows its free "
+        "memory holds at the start (KV cache at the run's context, the sampler; one line says how many)",
+    )
     engine_dtype: Literal["auto", "bf16", "trainer"] = arg(
         "auto",
         "the hf engine's weights for generation: bf16 (a bf16 copy refreshed at every weight sync, the trainer's "
@@ -256,7 +260,7 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("overlong_penalty", lambda v: _is_num(v) and v >= 0, "must be >= 0 (the penalty at --max-new-tokens)"),
     ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("gen_batch_size", lambda v: v >= 0, "must be >= 0 (0: 64 on CPU, 256 on a GPU)"),
+    ("gen_batch_size", lambda v: v >= 0, "must be >= 0 (0: 64 on CPU, sized from the free memory on a GPU)"),
     ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     ("vllm_sleep_level", lambda v: v in (1, 2), "must be 1 or 2"),
     ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
@@ -620,7 +624,8 @@ def setup(args) -> tuple[common.World, torch.device]:
             "--engine-dtype bf16 is the hf engine's: --engine auto picks vLLM here (its weights take --dtype); add --engine hf"
         )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
-    args.gen_batch_size = args.gen_batch_size or (256 if device.type == "cuda" else 64)  # args.json: the value used
+    if device.type != "cuda":  # on a GPU 0 stays: models.make_engine sizes the batch from the free memory
+        args.gen_batch_size = args.gen_batch_size or 64  # args.json: the value used
     seed_everything(args.seed)
     return w, device
 

@@ -27,6 +27,9 @@ Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gp
                   packs): packed against padded
   step-1.5b       without checkpointing, then step-1.5b-ckpt with it
   compile-1.5b    --compile (models.compile_model), last: its compile time is the least certain part
+Each speed step's shape is chosen from the device's memory (torch.cuda.get_device_properties(0).total_memory) and
+bench/memory_plan.py's plan of it, one line each: as published when the plan is within 0.9 of the memory, else with
+--micro-batch-tokens halved until it is (an H100 of 80 GB: step-1.5b and compile-1.5b), else skipped.
 Before each step the free disk is checked (too little: the step is skipped, one line says why); after it its run
 folders are deleted and OUT/summary.md and OUT/results.json rewritten, so a check cut short still reports every
 step it finished. OUT: $OUT, else runs/gpu_check. Steps past --budget-s are skipped, not started.
@@ -79,6 +82,48 @@ SPEED_KEYS = (
     "config", "gen_tokens_per_s_static", "gen_tokens_per_s_hf", "gen_tokens_per_s_generate", "train_tokens_per_s",
     "padded_train_tokens_per_s", "packed_groups", "achieved_tflops", "mfu", "train_peak_gb", "train_peak_gb_planned",
 )  # fmt: skip
+
+
+MEMORY_SHARE = 0.9  # of the device's memory a speed step's plan may take (the rest: CUDA context, fragmentation)
+MIN_MICRO_BATCH_TOKENS = 4096
+
+
+def planned_bytes(config: dict, a) -> float:
+    """bench/memory_plan.py's plan of a speed step (`a`: gpu_step's arguments): its training update, or with no
+    training rows its generation (the HF engine's batch at the step's context, a bf16 copy of the weights)."""
+    import memory_plan
+
+    if not a.train_rows:
+        context = a.prompt_len + a.gen_tokens
+        p = memory_plan.plan(config, engine="hf", gen_batch_size=a.gen_batch_size, max_model_len=context)
+        return sum(p["rollout (HF engine)"].values())
+    tokens = a.train_rows * (a.prompt_len + a.completion_len)
+    p = memory_plan.plan(
+        config,
+        micro_batch_tokens=min(a.micro_batch_tokens, tokens),
+        logp_chunk_tokens=a.logp_chunk_tokens,
+        gradient_checkpointing=a.gradient_checkpointing,
+    )
+    return sum(p["update"].values())
+
+
+def fit_to_memory(step: str, config: dict, a, total_bytes: int):
+    """A speed step's arguments as the device's memory takes them, by the plan: as they are when the plan is within
+    MEMORY_SHARE of `total_bytes`, else with --micro-batch-tokens halved until it is (down to MIN_MICRO_BATCH_TOKENS),
+    else None (the step is skipped). Returns (arguments or None, the one line that says which)."""
+    budget, planned = MEMORY_SHARE * total_bytes, planned_bytes(config, a)
+    head = f"{step}: planned {planned / 1e9:.1f} GB"
+    if planned <= budget:
+        return a, f"{head}, within {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB: runs as planned"
+    fitted = types.SimpleNamespace(**vars(a))
+    while a.train_rows and fitted.micro_batch_tokens // 2 >= MIN_MICRO_BATCH_TOKENS:
+        fitted.micro_batch_tokens //= 2
+        if (smaller := planned_bytes(config, fitted)) <= budget:
+            return fitted, (
+                f"{head}, over {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB: runs with "
+                f"--micro-batch-tokens {fitted.micro_batch_tokens} (planned {smaller / 1e9:.1f} GB)"
+            )
+    return None, f"{head}, over {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB at any micro-batch: skipped"
 
 
 def export_assets(folder: str) -> None:
@@ -180,10 +225,10 @@ class Check:
             return {"step": name, "s": 0, "ok": False, "skipped": True, "error": f"{free:.1f} GB free, {need_gb} GB needed"}
         return None
 
-    def step(self, name: str, fn, need_gb: float = 1.0, cleanup=()) -> dict:
-        """fn() in this process -> a dict of figures; its output captured into the log."""
+    def step(self, name: str, fn, need_gb: float = 1.0, cleanup=(), skip: str = "") -> dict:
+        """fn() in this process -> a dict of figures; its output captured into the log. `skip`: why it does not run."""
         print(f"== {name}", flush=True)
-        skipped = self._skip(name, need_gb)
+        skipped = {"step": name, "s": 0, "ok": False, "skipped": True, "error": skip} if skip else self._skip(name, need_gb)
         if skipped:
             return self._record(skipped, "")
         t0, buf = time.time(), io.StringIO()
@@ -433,17 +478,27 @@ def main() -> int:
                          completion_len=8, micro_batch_tokens=64, logp_chunk_tokens=16, repeats=1)  # fmt: skip
     small, big = ("tiny", "tiny") if cpu else ("qwen2.5-0.5b", "qwen2.5-1.5b")
 
-    def speed(name: str, **flags):
-        args = types.SimpleNamespace(**{**defaults, **flags})
-        return lambda: gpu_step.run_config(name, args, device, peak)
+    total = torch.cuda.get_device_properties(0).total_memory if not cpu else None
 
-    check.step("gen-0.5b", speed(small, engines=["static", "hf", "generate"], train_rows=0), need_gb=2)
-    check.step("step-0.5b", speed(small), need_gb=2)
+    def speed(step: str, name: str, **flags):
+        """The speed step `step` on config `name`, its shape chosen or skipped by the plan against the device's memory
+        (one line each; the dry run has no device memory to plan against)."""
+        args = types.SimpleNamespace(**{**defaults, **flags})
+        line = ""
+        if total is not None:
+            args, line = fit_to_memory(step, dict(gpu_step.CONFIGS[name], attention_bias=True), args, total)
+            print(line, flush=True)
+        if args is None:
+            return check.step(step, None, skip=line)
+        return check.step(step, lambda: {"memory": line, **gpu_step.run_config(name, args, device, peak)}, need_gb=2)
+
+    speed("gen-0.5b", small, engines=["static", "hf", "generate"], train_rows=0)
+    speed("step-0.5b", small)
     packed_shape = PACKED_SHAPE if not cpu else dict(group_size=8)  # the dry run: its tiny rows pack as they are
-    check.step("packed-0.5b", speed(small, compare_packing=True, **packed_shape), need_gb=2)
-    check.step("step-1.5b", speed(big), need_gb=2)
-    check.step("step-1.5b-ckpt", speed(big, gradient_checkpointing=True), need_gb=2)
-    check.step("compile-1.5b", speed(big, compile=True), need_gb=2)
+    speed("packed-0.5b", small, compare_packing=True, **packed_shape)
+    speed("step-1.5b", big)
+    speed("step-1.5b-ckpt", big, gradient_checkpointing=True)
+    speed("compile-1.5b", big, compile=True)
 
     check.write()
     check.log.close()
