@@ -846,7 +846,7 @@ def gen_batch_from_memory(free_bytes: float, row_bytes: int, most: int = GEN_BAT
 def gen_batch_for_device(model, context: int, copy_dtype) -> int:
     """--gen-batch-size 0 on a GPU: the rows that fit the device's free memory (the allocator's cached blocks
     included) once the engine's copy of the weights and AdamW's moments (allocated at the first update) are
-    taken out, at engine_row_bytes a row; one line says it."""
+    taken out, at engine_row_bytes a row; under torchrun the fewest rows of any rank; one line says it."""
     device = next(model.parameters()).device
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -856,6 +856,7 @@ def gen_batch_for_device(model, context: int, copy_dtype) -> int:
     dtype = copy_dtype or common.model_traits(model).autocast_dtype or local[0].dtype
     row = engine_row_bytes(model.config, context, dtype.itemsize)
     rows = gen_batch_from_memory(free - moments - copy, row)
+    rows = int(-common.world().max(-rows))  # torchrun: the fewest of any rank (synced generation: equal chunks)
     common.CONSOLE.info(
         f"--gen-batch-size 0: {rows} rows generated together ({free / 1e9:.1f} GB free of {total / 1e9:.1f} GB, "
         f"{(moments + copy) / 1e9:.1f} GB of it kept for AdamW's moments and the engine's copy; "
