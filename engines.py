@@ -4,8 +4,10 @@
     generate(prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None)
                          -> RolloutBatch: n completions of each prompt (token id lists), the n rows of a prompt
                          contiguous, each ending at (and keeping) its EOS; with `seed`, prompt i draws from a stream
-                         seeded by (request_seed_base(seed), group_ids[i] or i), so a group's completions do not
-                         depend on how the prompts are split over chunks or ranks
+                         seeded by (request_seed_base(seed), group_ids[i] or i), so a group draws the same
+                         uniforms however the prompts are split over chunks or ranks: the same tokens on the CPU in
+                         fp32 (tests/test_sampler.py); on a GPU bf16 logits depend on the batch's shape, so tokens
+                         may differ
     wake(model)          the weight sync before a rollout: the engine then samples from `model`'s current weights
     push_weights(model)  the weights only
     sleep()              after the rollout: give back what training needs (vLLM: weights to the CPU, KV cache freed)
@@ -37,8 +39,8 @@ class HFEngine:
     """The trainer's model as the rollout engine: a sampling loop over its forward and a KV cache, each prompt
     prefilled once for its n rows, a row that has ended (EOS) out of the batch. Each token is drawn from
     softmax(logits / T) by one uniform per running row (sample_from_logits); with `seed`, group k's rows draw from
-    their own generator, seeded by (seed, k), so a group's completions do not depend on how the prompts are split
-    over ranks. `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
+    their own generator, seeded by (seed, k), so a group draws the same uniforms however the prompts are split over
+    ranks (the same tokens on the CPU in fp32 only: on a GPU bf16 logits depend on the batch's shape). `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
 
     name = "hf"
 
@@ -181,7 +183,8 @@ class HFEngine:
 def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
     the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
-    is taken in float64, so a token's chance is its probability to about 1e-12 per token of the vocabulary."""
+    is taken in float64; the uniforms are float32 (torch.rand's, multiples of 2^-24), so a token's chance is its
+    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn."""
     cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1)  # (L, V)
     threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # (L, 1) u * total (the total is 1 up to rounding)
     return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
@@ -686,7 +689,7 @@ class VLLMEngine:
     ) -> common.RolloutBatch:
         """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
         numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
-        group_ids: with global indices a group's completions do not depend on how the prompts are split over
+        group_ids: with global indices a group's seeds do not depend on how the prompts are split over
         ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges."""
         if self._closed:
             raise RuntimeError("vLLM engine was closed")

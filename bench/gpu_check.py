@@ -208,8 +208,14 @@ class Check:
         self.log = open(os.path.join(out, "logs.txt"), "w")
         self.t0 = time.time()
 
-    def _record(self, result: dict, text: str) -> dict:
-        self.log.write(f"===== {result['step']} ({result['s']} s)\n{text}\n")
+    def _begin(self, name: str) -> None:
+        """The step's header in logs.txt before it runs: what it prints follows as it comes (_LogStream), so a step
+        cut by the device's timeout leaves what it wrote."""
+        self.log.write(f"===== {name}\n")
+        self.log.flush()
+
+    def _record(self, result: dict) -> dict:
+        self.log.write(f"----- {result['step']}: {'ok' if result['ok'] else 'not ok'} in {result['s']} s\n")
         self.log.flush()
         self.results.append(result)
         ok = "ok" if result["ok"] else "SKIPPED" if result.get("skipped") else "FAILED"
@@ -228,12 +234,13 @@ class Check:
     def step(self, name: str, fn, need_gb: float = 1.0, cleanup=(), skip: str = "") -> dict:
         """fn() in this process -> a dict of figures; its output captured into the log. `skip`: why it does not run."""
         print(f"== {name}", flush=True)
+        self._begin(name)
         skipped = {"step": name, "s": 0, "ok": False, "skipped": True, "error": skip} if skip else self._skip(name, need_gb)
         if skipped:
-            return self._record(skipped, "")
-        t0, buf = time.time(), io.StringIO()
+            return self._record(skipped)
+        t0, stream = time.time(), _LogStream(self.log)
         try:
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
                 figures = fn() or {}
             result = {"step": name, "ok": figures.get("finite", True) is not False, **figures}
         except BaseException as exc:  # noqa: BLE001 - a step's failure (SystemExit too) fails the step, not the check
@@ -244,19 +251,26 @@ class Check:
         for folder in cleanup:
             shutil.rmtree(folder, ignore_errors=True)
         _free_memory()
-        return self._record(result, buf.getvalue())
+        return self._record(result)
 
     def subprocess(self, name: str, cmd: list[str], timeout: float, figures=None, need_gb: float = 1.0) -> dict:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
+        self._begin(name)
         skipped = self._skip(name, need_gb)
         if skipped:
-            return self._record(skipped, "")
+            return self._record(skipped)
         t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
-            rc, output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, output = "timeout", (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        self.log.write(f"$ {' '.join(cmd)}\n")
+        self.log.flush()
+        start = self.log.tell()
+        try:  # the subprocess writes into logs.txt itself, as it goes
+            rc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        self.log.seek(0, os.SEEK_END)
+        with open(self.log.name, errors="replace") as f:
+            f.seek(start)
+            output = f.read()
         result = {"step": name, "rc": rc}
         if rc == 0 and figures is not None:
             try:
@@ -267,7 +281,7 @@ class Check:
             result["error"] = output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"
         result["ok"] = rc == 0 and result.get("finite", True) is not False and "error" not in result
         result["s"] = round(time.time() - t0, 1)
-        return self._record(result, f"$ {' '.join(cmd)}\n{output}")
+        return self._record(result)
 
     def summary(self) -> str:
         lines = [self.header, "", "| step | result | s | figures |", "|---|---|---|---|"]
@@ -290,6 +304,18 @@ class Check:
             )
         with open(os.path.join(self.out, "summary.md"), "w") as f:
             f.write(self.summary() + "\n")
+
+
+class _LogStream(io.TextIOBase):
+    """A step's stdout and stderr: into logs.txt as they come, each write flushed."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return len(text)
 
 
 def _free_memory() -> None:
@@ -471,7 +497,7 @@ def main() -> int:
     import gpu_step
 
     device = torch.device(a.device)
-    peak = next((v for k, v in gpu_step.PEAK_TFLOPS.items() if k in gpu), None)
+    peak = gpu_step.peak_tflops(gpu)
     defaults = dict(SPEED_DEFAULTS)
     if cpu:  # the dry run: the same code on the tiny config, a few tokens
         defaults |= dict(gen_prompts=2, num_generations=2, gen_tokens=8, gen_batch_size=4, train_rows=4, prompt_len=8,

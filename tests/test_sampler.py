@@ -468,3 +468,16 @@ def test_grouped_query_attention_takes_any_memory_layout_sdpa_returns(monkeypatc
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
     ours, _ = engines._gqa_sdpa(module, q, k, v, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_the_samplers_resolution_is_that_of_float32_uniforms():
+    """The engines draw u from torch.rand (float32: multiples of 2^-24 in [0, 1)), so sample_from_logits resolves a
+    token's probability to 2^-24, not to the float64 cumulative sum's 1e-16: a last token of probability 1e-9 is
+    never drawn (no float32 u reaches past 1 - 1e-9), one of probability 2^-23 is drawn by the largest u."""
+    assert torch.rand(3).dtype == torch.float32 and torch.rand(3, generator=torch.Generator()).dtype == torch.float32
+    largest = torch.tensor([1.0 - 2**-24])  # the largest float32 below 1
+    assert largest.item() == float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))
+    for p_last, drawn in ((1e-9, 0), (2**-23, 1)):
+        logits = torch.tensor([[0.0, torch.tensor(p_last / (1 - p_last)).log().item()]], dtype=torch.float64)
+        assert engines.sample_from_logits(logits.float(), largest).item() == drawn, p_last
+    assert "2^-24" in engines.sample_from_logits.__doc__
