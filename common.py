@@ -574,23 +574,43 @@ def completion_logps_forward(
     flat_targets = batch.completion_ids.to(device)[mask]
     chunk_fn = model_traits(model).chunk_logp_entropy or chunk_logp_entropy  # --compile: models.compile_model
     logps, ents = [], []
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
-        with autocast_context(model):  # the recompute in backward restores the same autocast state
+    with autocast_context(model):  # one context for every chunk; the recompute in backward restores its state
+        # the head's weight cast to the compute dtype once per micro-batch, outside the recomputed chunks: autocast
+        # casts it per chunk (its cache ends with each context) and again in each chunk's recompute
+        dtype = model_traits(model).autocast_dtype
+        cast = [p.detach().to(dtype) if dtype is not None and p is not None else None for p in (head.weight, head.bias)]
+        for start in range(0, flat_hidden.shape[0], chunk_tokens):
+            h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
+            # each chunk's gradient reaches the fp32 weight in fp32 (CastOnce), summed there as autocast's casts did
+            weight, bias = (CastOnce.apply(p, c) if c is not None else p for p, c in zip((head.weight, head.bias), cast))
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
-                    chunk_fn, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False
+                    chunk_fn, h, weight, bias, y, temperature, softcap, use_reentrant=False
                 )
             else:
-                lp, ent = chunk_fn(h, head.weight, head.bias, y, temperature, softcap)
-        logps.append(lp)
-        ents.append(ent)
+                lp, ent = chunk_fn(h, weight, bias, y, temperature, softcap)
+            logps.append(lp)
+            ents.append(ent)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
     if not with_entropy:
         return out, None
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     return out, entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
+
+
+class CastOnce(torch.autograd.Function):
+    """`cast`, a copy of `param` in a lower dtype made once, as a function of `param`: the gradient goes back to
+    `param` in its own dtype, as through autocast's own cast, without casting `param` again."""
+
+    @staticmethod
+    def forward(ctx, param, cast):
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 def autocast_context(model):

@@ -782,7 +782,8 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     > 0: vLLM's model config gets it too (hf_overrides). --engine-dtype bf16: the HF engine generates with a bf16 copy
     of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: a copy in --dtype (bf16, or
     fp16) on a GPU in one process (its static KV cache and CUDA graphs run on the copy), the trainer's own weights
-    elsewhere (engine_copy_dtype). --gen-batch-size: the HF engine's rows generated together (run.setup resolved 0)."""
+    elsewhere (engine_copy_dtype). --gen-batch-size: the HF engine's rows generated together (run.setup resolved 0).
+    --eager-decode: the static loop without CUDA graphs."""
     kind = args.engine
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
@@ -805,7 +806,7 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
-        return engines.StaticHFEngine(model, tokenizer, **hf)
+        return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=not args.eager_decode)
     return engines.HFEngine(model, tokenizer, **hf)
 
 

@@ -150,6 +150,12 @@ class Args:
         "on a GPU in one process (with a static KV cache and CUDA graphs; under --dtype fp16 the copy is fp16), the "
         "trainer's elsewhere",
     )
+    eager_decode: bool = arg(
+        False,
+        "the hf engine's static loop on a GPU (one process) without CUDA graphs: its decode step runs eagerly, the "
+        "same tokens, slower; for a GPU where capturing the graphs fails (the run stops with the cause and names this "
+        "flag)",
+    )
     gpu_memory_utilization: float = arg(
         0.35,
         "share of the GPU's memory vLLM may take for its weights, activations, CUDA graphs and KV cache (it must be "

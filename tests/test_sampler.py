@@ -394,9 +394,9 @@ def test_the_captured_decode_step_never_waits_for_the_device(tiny_path, monkeypa
     seen, calls = set(), []
 
     class RecordedGraphs(engines._DecodeGraphs):
-        def __call__(self, b):
+        def __call__(self, b, length):
             with Record() as mode:
-                out = self.decode(b)
+                out = self.decode(b, length)
             seen.update(mode.ops)
             calls.append(b)
             return out
@@ -481,3 +481,55 @@ def test_the_samplers_resolution_is_that_of_float32_uniforms():
         logits = torch.tensor([[0.0, torch.tensor(p_last / (1 - p_last)).log().item()]], dtype=torch.float64)
         assert engines.sample_from_logits(logits.float(), largest).item() == drawn, p_last
     assert "2^-24" in engines.sample_from_logits.__doc__
+
+
+# ----- the static loop's costs (issue 50): keys read, graphs kept, a capture that fails
+
+
+def test_the_decode_step_reads_a_length_bucket_of_the_filled_keys():
+    """_length_bucket: the next power of two of the filled keys (at least 64), at most the cache; the cache a
+    multiple of 256 keys, so chunks whose prompts differ a little share it."""
+    assert [engines._length_bucket(f, 4352) for f in (1, 64, 65, 300, 513, 4097, 4352)] == [64, 64, 128, 512, 1024, 4352, 4352]
+    assert [engines._cache_length(k) for k in (1, 256, 257, 4100)] == [256, 256, 512, 4352]
+
+
+def test_length_buckets_and_kept_graphs_draw_the_same_tokens(tiny_path, monkeypatch):
+    """fp32 on the CPU: the static loop reading length buckets gives the tokens and log-probs of the loop reading
+    the whole cache and of the dynamic loop; chunks of one shape share one cache (allocated once, its stale keys
+    never seen by the next chunk), a chunk of another shape gets a new one, sleep() gives it back."""
+    allocations, buckets = [], set()
+    allocate, bucket = engines.StaticKV.allocate, engines._length_bucket
+    monkeypatch.setattr(engines, "_length_bucket", lambda f, n: buckets.add(bucket(f, n)) or bucket(f, n))
+    monkeypatch.setattr(engines.StaticKV, "allocate", lambda *a, **k: allocations.append(a[2:4]) or allocate(*a, **k))
+    dynamic, tok = _engine(tiny_path, return_logps=True, gen_batch_size=8)
+    static = engines.StaticHFEngine(dynamic.model, tok, gen_batch_size=8, return_logps=True)
+    dynamic.eos_ids = static.eos_ids = static.eos_ids | set(range(20, 23))  # rows end at varied steps
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]  # 4 prompts x 4 rows: two chunks of 8 rows
+    a = dynamic.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    b = static.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    assert len(allocations) == 1 and static.decode_state is not None  # both chunks on one cache, kept after
+    static.length_buckets = False  # every step reads the whole cache
+    c = static.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    assert tiny.completions(a) == tiny.completions(b) == tiny.completions(c)
+    assert buckets == {64, 128}  # rows ran past the first bucket's 64 keys (prompts of 21 to 33 tokens)
+    for r in range(len(a)):
+        for other in (b, c):
+            assert torch.allclose(torch.tensor(a.engine_logp(r)), torch.tensor(other.engine_logp(r)), atol=1e-5)
+    static.generate(prompts[:1], 4, 100, 1.0, seed=5, progress=False)  # 4 rows: another shape, another cache
+    assert len(allocations) == 2
+    static.sleep()
+    assert static.decode_state is None
+
+
+def test_a_graph_capture_that_fails_stops_with_its_cause_and_the_flag_without_graphs():
+    """_DecodeGraphs on a device where capturing fails (here: no CUDA at all) raises one RunError line naming the
+    cause and --eager-decode; nothing falls back to eager by itself."""
+    from verifiers import RunError
+
+    graphs = engines._DecodeGraphs(lambda b, length: torch.zeros(b, 3), torch.device("cpu"))
+    graphs.cuda = True  # as on a GPU: the capture is attempted
+    with pytest.raises(RunError) as error:
+        graphs(2, 64)
+    message = str(error.value)
+    assert "could not capture its decode step as a CUDA graph" in message and "--eager-decode" in message
+    assert "\n" not in message and not graphs.graphs
