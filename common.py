@@ -230,9 +230,9 @@ def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: 
 
 def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
     """n completions for each of the P prompts (token id lists). One process: engine.generate on all of them (a
-    RolloutBatch). Under torchrun (any world size): each rank generates the groups World.deal_groups gives it from the mini-batch
-    plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same tokens on any rank) -> a
-    ShardedRollout."""
+    RolloutBatch). Under torchrun (any world size): each rank generates the groups World.deal_groups gives it from
+    the mini-batch plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same uniforms on
+    any rank) -> a ShardedRollout."""
     w = world()
     if not w.enabled:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)

@@ -40,7 +40,8 @@ class HFEngine:
     prefilled once for its n rows, a row that has ended (EOS) out of the batch. Each token is drawn from
     softmax(logits / T) by one uniform per running row (sample_from_logits); with `seed`, group k's rows draw from
     their own generator, seeded by (seed, k), so a group draws the same uniforms however the prompts are split over
-    ranks (the same tokens on the CPU in fp32 only: on a GPU bf16 logits depend on the batch's shape). `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
+    ranks (the same tokens on the CPU in fp32 only: on a GPU bf16 logits depend on the batch's shape).
+    `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
 
     name = "hf"
 

@@ -802,7 +802,8 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     copy_dtype = engine_copy_dtype(args, on_gpu)
     low = copy_dtype is not None
     if not args.gen_batch_size:  # run.setup leaves 0 on a GPU: the rows that fit its free memory
-        args.gen_batch_size = gen_batch_for_device(model, max_model_len, copy_dtype)
+        cuda = next(model.parameters()).device.type == "cuda"
+        args.gen_batch_size = gen_batch_for_device(model, max_model_len, copy_dtype) if cuda else GEN_BATCH_CPU
     hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
@@ -823,6 +824,7 @@ def engine_copy_dtype(args, on_gpu: bool) -> torch.dtype | None:
 
 # ----- the HF engine's batch on a GPU (--gen-batch-size 0): the rows its free memory holds
 
+GEN_BATCH_CPU = 64  # --gen-batch-size 0 on CPU
 GEN_BATCH_MAX = 1024  # the most rows the HF engine generates together when it sizes its batch itself
 GEN_MEMORY_SHARE = 0.8  # of the free memory for the rows (the rest: the prompts' prefill, the allocator's slack)
 
@@ -865,4 +867,3 @@ def gen_batch_for_device(model, context: int, copy_dtype) -> int:
         f"sampler over the vocabulary)"
     )
     return rows
-

@@ -631,7 +631,7 @@ def setup(args) -> tuple[common.World, torch.device]:
         )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
     if device.type != "cuda":  # on a GPU 0 stays: models.make_engine sizes the batch from the free memory
-        args.gen_batch_size = args.gen_batch_size or 64  # args.json: the value used
+        args.gen_batch_size = args.gen_batch_size or models.GEN_BATCH_CPU  # args.json: the value used
     seed_everything(args.seed)
     return w, device
 
@@ -697,9 +697,9 @@ def env_world_size() -> int:
 
 
 def under_torchrun() -> bool:
-    """A launch by torchrun at any world size (1 too): the env:// rendezvous variables it sets (RANK, MASTER_ADDR,
-    MASTER_PORT) are there, or WORLD_SIZE says more than one process. A plain `python` run sets none of them."""
-    return env_world_size() > 1 or all(v in os.environ for v in ("RANK", "MASTER_ADDR", "MASTER_PORT"))
+    """A launch by torchrun at any world size (1 too): the env:// rendezvous variables it sets (WORLD_SIZE, RANK,
+    MASTER_ADDR, MASTER_PORT) are there, or WORLD_SIZE says more than one process. A plain `python` run sets none."""
+    return env_world_size() > 1 or all(v in os.environ for v in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def minibatch_group_counts(num_prompts: int, num_minibatches: int) -> list[int]:

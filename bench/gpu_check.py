@@ -264,7 +264,8 @@ class Check:
         self.log.flush()
         start = self.log.tell()
         try:  # the subprocess writes into logs.txt itself, as it goes
-            rc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         self.log.seek(0, os.SEEK_END)

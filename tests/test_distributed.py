@@ -488,4 +488,3 @@ def test_torchrun_with_one_process_runs_the_distributed_path(toy):
     assert found[1] == {
         "process_group": False, "backend": None, "world_size": None, "enabled": False, "fsdp2": False, "engine": "HFEngine",
     }  # fmt: skip
-

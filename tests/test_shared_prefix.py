@@ -243,7 +243,9 @@ def test_the_gpu_checks_packed_step_has_a_shape_the_rule_packs():
     import gpu_check
     import memory_plan
 
-    qwen = types.SimpleNamespace(config=types.SimpleNamespace(**memory_plan.SHAPES["qwen2.5-0.5b"], _attn_implementation="sdpa"))
+    qwen = types.SimpleNamespace(
+        config=types.SimpleNamespace(**memory_plan.SHAPES["qwen2.5-0.5b"], _attn_implementation="sdpa")
+    )
     assert common.attention_break_even(qwen) == pytest.approx(8320.0)  # a / b of the rule for Qwen2.5-0.5B
     rows, budget = gpu_check.SPEED_DEFAULTS["train_rows"], gpu_check.SPEED_DEFAULTS["micro_batch_tokens"]
 
