@@ -831,13 +831,14 @@ GEN_MEMORY_SHARE = 0.8  # of the free memory for the rows (the rest: the prompts
 
 def engine_row_bytes(config, context: int, dtype_bytes: int = 2) -> int:
     """GPU bytes one generated row costs the HF engine: its KV cache over `context` tokens (keys and values of every
-    layer in the engine's dtype, the context rounded up to 16 as StaticKV does) and the sampler's temporaries over
+    layer in the engine's dtype, the context rounded up as StaticHFEngine's cache is) and the sampler's temporaries over
     the vocabulary (the logits in the engine's dtype, then fp32 scores, softmax and log-softmax and the fp64
     cumulative sum: dtype + 20 bytes a vocabulary entry). `config`: a transformers config or its dict."""
     cfg = config if isinstance(config, dict) else config.get_text_config().to_dict()
     heads = cfg["num_attention_heads"]
     kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * (-(-context // 16) * 16)
+    keys = -(-context // engines.CACHE_LENGTH_QUANTUM) * engines.CACHE_LENGTH_QUANTUM
+    kv = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * keys
     return kv + (dtype_bytes + 20) * cfg["vocab_size"]
 
 

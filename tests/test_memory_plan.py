@@ -84,17 +84,17 @@ def test_the_trainer_state_is_what_a_checkpoint_holds(toy):
 
 
 def test_the_engines_row_bytes_are_its_static_caches():
-    """models.engine_row_bytes' KV part is what engines.StaticKV allocates for one row at the context (rounded to
-    16), in bf16; its sampler part is dtype + 20 bytes a vocabulary entry."""
+    """models.engine_row_bytes' KV part is what StaticHFEngine's cache holds for one row at the context (rounded up
+    to 256 keys), in bf16; its sampler part is dtype + 20 bytes a vocabulary entry."""
     from transformers import Qwen2Config
 
     import engines
 
     config = Qwen2Config(**memory_plan.SHAPES["qwen2.5-1.5b"])
-    cache = engines.StaticKV.allocate(config, 3, 4112, torch.bfloat16, torch.device("meta"))
+    cache = engines.StaticKV.allocate(config, 3, engines._cache_length(4100), torch.bfloat16, torch.device("meta"))
     per_row = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values)) / 3
     assert models.engine_row_bytes(config, 4100, 2) == per_row + 22 * config.vocab_size
-    assert per_row == 4112 * memory_plan.kv_bytes_per_token(memory_plan.SHAPES["qwen2.5-1.5b"])
+    assert per_row == 4352 * memory_plan.kv_bytes_per_token(memory_plan.SHAPES["qwen2.5-1.5b"])
     assert models.gen_batch_from_memory(10e9, 10**8) == 80 and models.gen_batch_from_memory(-1.0, 10**8) == 1
     assert models.gen_batch_from_memory(1e15, 10**8) == models.GEN_BATCH_MAX
 
