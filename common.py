@@ -56,7 +56,7 @@ class World:
 
     rank, world_size, local_rank = 0, 1, 0
     device: torch.device | None = None
-    enabled = False  # several processes?
+    enabled = False  # under torchrun (at any world size: a process group, FSDP2)?
     is_main = True  # the process that writes files and the console
 
     def sum(self, values):  # an all-reduce SUM of a float, a tensor or a dict of floats
@@ -229,10 +229,10 @@ def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: 
 
 
 def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
-    """n completions for each of the P prompts (token id lists). World size 1: engine.generate on all of them (a
-    RolloutBatch). Several processes: each rank generates the groups World.deal_groups gives it from the mini-batch
-    plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same tokens on any rank) -> a
-    ShardedRollout."""
+    """n completions for each of the P prompts (token id lists). One process: engine.generate on all of them (a
+    RolloutBatch). Under torchrun (any world size): each rank generates the groups World.deal_groups gives it from
+    the mini-batch plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same uniforms on
+    any rank) -> a ShardedRollout."""
     w = world()
     if not w.enabled:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
@@ -574,23 +574,43 @@ def completion_logps_forward(
     flat_targets = batch.completion_ids.to(device)[mask]
     chunk_fn = model_traits(model).chunk_logp_entropy or chunk_logp_entropy  # --compile: models.compile_model
     logps, ents = [], []
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
-        with autocast_context(model):  # the recompute in backward restores the same autocast state
+    with autocast_context(model):  # one context for every chunk; the recompute in backward restores its state
+        # the head's weight cast to the compute dtype once per micro-batch, outside the recomputed chunks: autocast
+        # casts it per chunk (its cache ends with each context) and again in each chunk's recompute
+        dtype = model_traits(model).autocast_dtype
+        cast = [p.detach().to(dtype) if dtype is not None and p is not None else None for p in (head.weight, head.bias)]
+        for start in range(0, flat_hidden.shape[0], chunk_tokens):
+            h, y = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
+            # each chunk's gradient reaches the fp32 weight in fp32 (CastOnce), summed there as autocast's casts did
+            weight, bias = (CastOnce.apply(p, c) if c is not None else p for p, c in zip((head.weight, head.bias), cast))
             if torch.is_grad_enabled():
                 lp, ent = torch.utils.checkpoint.checkpoint(
-                    chunk_fn, h, head.weight, head.bias, y, temperature, softcap, use_reentrant=False
+                    chunk_fn, h, weight, bias, y, temperature, softcap, use_reentrant=False
                 )
             else:
-                lp, ent = chunk_fn(h, head.weight, head.bias, y, temperature, softcap)
-        logps.append(lp)
-        ents.append(ent)
+                lp, ent = chunk_fn(h, weight, bias, y, temperature, softcap)
+            logps.append(lp)
+            ents.append(ent)
     out = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     out = out.masked_scatter(mask, torch.cat(logps)) if logps else out
     if not with_entropy:
         return out, None
     entropy = torch.zeros(mask.shape, dtype=torch.float32, device=device)
     return out, entropy.masked_scatter(mask, torch.cat(ents).detach()) if ents else entropy
+
+
+class CastOnce(torch.autograd.Function):
+    """`cast`, a copy of `param` in a lower dtype made once, as a function of `param`: the gradient goes back to
+    `param` in its own dtype, as through autocast's own cast, without casting `param` again."""
+
+    @staticmethod
+    def forward(ctx, param, cast):
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
 
 
 def autocast_context(model):

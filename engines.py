@@ -4,8 +4,10 @@
     generate(prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None)
                          -> RolloutBatch: n completions of each prompt (token id lists), the n rows of a prompt
                          contiguous, each ending at (and keeping) its EOS; with `seed`, prompt i draws from a stream
-                         seeded by (request_seed_base(seed), group_ids[i] or i), so a group's completions do not
-                         depend on how the prompts are split over chunks or ranks
+                         seeded by (request_seed_base(seed), group_ids[i] or i), so a group draws the same
+                         uniforms however the prompts are split over chunks or ranks: the same tokens on the CPU in
+                         fp32 (tests/test_sampler.py); on a GPU bf16 logits depend on the batch's shape, so tokens
+                         may differ
     wake(model)          the weight sync before a rollout: the engine then samples from `model`'s current weights
     push_weights(model)  the weights only
     sleep()              after the rollout: give back what training needs (vLLM: weights to the CPU, KV cache freed)
@@ -37,8 +39,9 @@ class HFEngine:
     """The trainer's model as the rollout engine: a sampling loop over its forward and a KV cache, each prompt
     prefilled once for its n rows, a row that has ended (EOS) out of the batch. Each token is drawn from
     softmax(logits / T) by one uniform per running row (sample_from_logits); with `seed`, group k's rows draw from
-    their own generator, seeded by (seed, k), so a group's completions do not depend on how the prompts are split
-    over ranks. `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
+    their own generator, seeded by (seed, k), so a group draws the same uniforms however the prompts are split over
+    ranks (the same tokens on the CPU in fp32 only: on a GPU bf16 logits depend on the batch's shape).
+    `dtype=torch.bfloat16`: generation runs on a bf16 copy of the weights, refreshed by wake(model)."""
 
     name = "hf"
 
@@ -181,7 +184,8 @@ class HFEngine:
 def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
     the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
-    is taken in float64, so a token's chance is its probability to about 1e-12 per token of the vocabulary."""
+    is taken in float64; the uniforms are float32 (torch.rand's, multiples of 2^-24), so a token's chance is its
+    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn."""
     cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1)  # (L, V)
     threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # (L, 1) u * total (the total is 1 up to rounding)
     return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
@@ -202,40 +206,65 @@ def request_seed_base(seed: int) -> int:
 
 class StaticHFEngine(HFEngine):
     """HFEngine with a static KV cache and its decode step captured as CUDA graphs: what make_engine builds on a GPU
-    in one process, generating from a bf16 copy of the trainer's weights (FSDP2's gathers under torchrun cannot be
-    captured). Where there is no CUDA the same loop runs eagerly (the tests: the same tokens as HFEngine's). On its
-    copy (not on the trainer's own model) SDPA runs as _gqa_sdpa: keys and values not copied per query head."""
+    in one process, generating from a low-precision copy of the trainer's weights (bf16; fp16 under --dtype fp16),
+    its KV cache in the copy's dtype (FSDP2's gathers under torchrun cannot be captured). Where there is no CUDA, or
+    with cuda_graphs=False (--eager-decode), the same loop runs eagerly (the tests: the same tokens as HFEngine's).
+    On its copy (not on the trainer's own model) SDPA runs as _gqa_sdpa: keys and values not copied per query head.
+    The cache, the decode step's buffers and its graphs are kept from chunk to chunk while their shape repeats, and
+    released by sleep() (before training)."""
 
-    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None):
+    def __init__(self, model, tokenizer, gen_batch_size: int = 64, return_logps: bool = False, dtype=None, cuda_graphs=True):
         super().__init__(model, tokenizer, gen_batch_size=gen_batch_size, return_logps=return_logps, dtype=dtype)
+        self.cuda_graphs = cuda_graphs
+        self.length_buckets = True  # the decode step reads the cache's filled part (a length bucket), not all of it
+        self.decode_state = None  # _DecodeState of the last chunk's shape
         if self.sampler is not model and self.sampler.config._attn_implementation == "sdpa":
             _register_gqa_sdpa()
             self.sampler.config._attn_implementation = GQA_SDPA
 
+    def sleep(self) -> None:
+        """After the rollout: the KV cache and the graphs back to the allocator (training needs the memory)."""
+        if self.decode_state is not None:
+            self.decode_state.graphs.release()
+        self.decode_state = None
+
     def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
-        with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype (bf16)
+        with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype
             return self._static_sample(input_ids, attention, n, max_new_tokens, temperature, generators)
 
+    def _decode_state(self, rows: int, length: int, dtype, device) -> _DecodeState:
+        """The cache of `rows` x `length` keys and the decode step's buffers and graphs: the last chunk's when its
+        shape was the same (its graphs replay), else new ones (the old released first)."""
+        key = (rows, length, dtype, device)
+        if self.decode_state is None or self.decode_state.key != key:
+            self.sleep()
+            model = self.sampler
+            cache = StaticKV.allocate(model.config, rows, length, dtype, device)
+            self.decode_state = _DecodeState(key, cache, model, self.cuda_graphs)
+        return self.decode_state
+
     def _static_sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
-        """HFEngine._sample with a KV cache of fixed shape (StaticKV) and the decode step of b rows run as a CUDA graph
-        captured once per bucket b (powers of two; eager where there is no CUDA): ended rows stay in their slots
-        until the running ones fit the next smaller bucket, then the running rows move to the first slots. The
+        """HFEngine._sample with a KV cache of fixed shape (StaticKV) and the decode step of b rows over the first L
+        keys run as a CUDA graph captured once per (b, L) and kept for later chunks of the same shape (eager where
+        there is no CUDA): b a bucket of running rows (powers of two), L a bucket of the filled keys (powers of two,
+        _length_bucket), so a step reads the keys written so far, not the whole cache. Ended rows stay in their
+        slots until the running ones fit the next smaller bucket, then the running rows move to the first slots. The
         same draws as _sample: one uniform per running row, in row order, from its group's generator."""
         model = self.sampler
         R, W = input_ids.shape
-        S, device = -(-(W + max_new_tokens) // 16) * 16, input_ids.device  # keys: a multiple of 16 (aligned masks)
-        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
-        cache = StaticKV.allocate(model.config, R, S, dtype, device)
+        device = input_ids.device
+        S = _cache_length(W + max_new_tokens)  # keys: chunks whose prompts differ a little share a cache
+        dtype = next(model.parameters()).dtype  # what it computes in: autocast is off here (_sample)
+        state = self._decode_state(R, S, dtype, device)
+        cache, step_ids, step_pos, step_mask = state.cache, state.step_ids, state.step_pos, state.step_mask
         body = getattr(model, model.base_model_prefix)
         takes_cache_position = "cache_position" in inspect.signature(body.forward).parameters  # older transformers
-        # prefill each distinct prompt once into the first P rows, then copy its keys and values to its n rows
+        # prefill each distinct prompt once into the first P rows over its W keys, then copy them to its n rows
         P = R // n
         prompt_ids, prompt_mask = input_ids[::n], attention[::n].bool()  # (P, W)
-        k_pos = torch.arange(S, device=device)
-        allowed = (k_pos[None, None, :] <= torch.arange(W, device=device)[None, :, None]) & F.pad(prompt_mask, (0, S - W))[
-            :, None, :
-        ]  # (P, W, S): a prompt token sees the earlier real tokens of its prompt
-        allowed |= k_pos[None, None, :] == torch.arange(W, device=device)[None, :, None]  # padding sees itself: no NaN
+        k_pos = torch.arange(W, device=device)
+        allowed = (k_pos[None, None, :] <= k_pos[None, :, None]) & prompt_mask[:, None, :]  # (P, W, W): a prompt
+        allowed |= k_pos[None, None, :] == k_pos[None, :, None]  # token sees its earlier real tokens; padding itself
         kw = dict(position_ids=(prompt_mask.long().cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
         if takes_cache_position:
             kw["cache_position"] = torch.arange(W, device=device)
@@ -243,26 +272,15 @@ class StaticHFEngine(HFEngine):
         logits = model(
             input_ids=prompt_ids,
             attention_mask=_as_attention_mask(model, allowed[:, None]),
-            past_key_values=cache.view(P),
+            past_key_values=cache.view(P, W),
             **kw,
         )
         logits = logits.logits[:, -1].repeat_interleave(n, dim=0)  # (R, V)
-        cache.repeat_prompts(P, n)
-        # the decode step's inputs, in buffers the graphs read: the last token, its position, which keys it sees
-        step_ids = torch.zeros((R, 1), dtype=torch.long, device=device)
-        step_pos = torch.zeros((R, 1), dtype=torch.long, device=device)
-        seen = F.pad(attention.bool(), (0, S - W))[:, None, None, :]  # (R, 1, 1, S) the prompt's real tokens
-        step_mask = _as_attention_mask(model, seen).contiguous()
+        cache.repeat_prompts(P, n, W)
+        # the decode step's inputs, in the state's buffers the graphs read: which keys each row sees (its prompt's
+        # real tokens; a key is marked seen as the step that writes it runs), the last token, its position
+        step_mask.copy_(_as_attention_mask(model, F.pad(attention.bool(), (0, S - W))[:, None, None, :]))
         visible = _as_attention_mask(model, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device))  # a seen key
-
-        def decode(b: int) -> torch.Tensor:  # (b, V) logits of the first b slots
-            step = dict(position_ids=step_pos[:b], use_cache=True, logits_to_keep=1)
-            if takes_cache_position:
-                step["cache_position"] = cache.position.view(1)
-            out = model(input_ids=step_ids[:b], attention_mask=step_mask[:b], past_key_values=cache.view(b), **step)
-            return out.logits[:, -1]
-
-        graphs = _DecodeGraphs(decode, device)
         prompt_len = attention.sum(-1)  # (R,) the position of each row's first new token
         eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=device)
         tokens = torch.full((R, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
@@ -270,35 +288,59 @@ class StaticHFEngine(HFEngine):
         ended = torch.zeros(R, dtype=torch.bool, device=device)
         running = torch.arange(R, device=device)  # the chunk rows in the first slots, in row order
         b = R
-        try:
-            for t in range(max_new_tokens):
-                if t > 0:
-                    going_on = (~ended[running]).nonzero().squeeze(1)
-                    if _bucket(len(going_on), R) < b:  # the running rows fit a smaller graph: move them to the front
-                        cache.select(going_on)
-                        step_mask[: len(going_on)] = step_mask[going_on]
-                        running, b = running[going_on], _bucket(len(going_on), R)
-                    m = len(running)
-                    step_ids[:m, 0] = tokens[running, t - 1]
-                    step_pos[:m, 0] = prompt_len[running] + t - 1
-                    step_mask[:b, ..., W + t - 1] = visible  # the key this step writes
-                    cache.position.fill_(W + t - 1)
-                    logits = graphs(b)[:m]
-                live_slots = ~ended[running]
-                self._draw(logits[live_slots], running[live_slots], t, n, temperature, generators, tokens, logps, ended, eos)
-                if bool(ended.all()):
-                    return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
-            return tokens, logps
-        finally:
-            graphs.release()
+        for t in range(max_new_tokens):
+            if t > 0:
+                going_on = (~ended[running]).nonzero().squeeze(1)
+                if _bucket(len(going_on), R) < b:  # the running rows fit a smaller graph: move them to the front
+                    cache.select(going_on, W + t - 1)
+                    step_mask[: len(going_on)] = step_mask[going_on]
+                    running, b = running[going_on], _bucket(len(going_on), R)
+                m = len(running)
+                step_ids[:m, 0] = tokens[running, t - 1]
+                step_pos[:m, 0] = prompt_len[running] + t - 1
+                step_mask[:b, ..., W + t - 1] = visible  # the key this step writes
+                cache.position.fill_(W + t - 1)
+                L = _length_bucket(W + t, S) if self.length_buckets else S  # the keys written so far, and a few more
+                logits = state.graphs(b, L)[:m]
+            live_slots = ~ended[running]
+            self._draw(logits[live_slots], running[live_slots], t, n, temperature, generators, tokens, logps, ended, eos)
+            if bool(ended.all()):
+                return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
+        return tokens, logps
+
+
+class _DecodeState:
+    """What the decode step's graphs read and write, kept while chunks have its shape `key` (rows, keys, dtype,
+    device): the cache, the last token (rows, 1), its position (rows, 1), the keys each row sees (rows, 1, 1,
+    keys), and the graphs of decode(b, L): the first b rows over the first L keys."""
+
+    def __init__(self, key, cache: StaticKV, model, cuda_graphs: bool):
+        rows, length, _, device = key
+        self.key, self.cache = key, cache
+        self.step_ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.step_pos = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        seen = torch.zeros((rows, 1, 1, length), dtype=torch.bool, device=device)
+        self.step_mask = _as_attention_mask(model, seen).contiguous()
+        body = getattr(model, model.base_model_prefix)
+        takes_cache_position = "cache_position" in inspect.signature(body.forward).parameters
+
+        def decode(b: int, L: int) -> torch.Tensor:  # (b, V) logits of the first b slots, over the first L keys
+            step = dict(position_ids=self.step_pos[:b], use_cache=True, logits_to_keep=1)
+            if takes_cache_position:
+                step["cache_position"] = cache.position.view(1)
+            mask = self.step_mask[:b, ..., :L]
+            out = model(input_ids=self.step_ids[:b], attention_mask=mask, past_key_values=cache.view(b, L), **step)
+            return out.logits[:, -1]
+
+        self.graphs = _DecodeGraphs(decode, device if cuda_graphs else torch.device("cpu"))
 
 
 class StaticKV:
     """The KV cache of HFEngine's static loop: per layer, keys and values (rows, KV heads, S, head dim) allocated
     once and written in place, every row at the same position per step (`position`, a 0-dim tensor on the device:
-    the prompts are left-padded), read whole under a 4-D attention mask that says which keys each row sees.
-    `view(b)` is the cache of the first b rows, the same storage: what a b-row CUDA graph reads and writes. The
-    transformers model calls update() only (a 4-D mask skips its mask building; positions are passed)."""
+    the prompts are left-padded), read under a 4-D attention mask that says which keys each row sees.
+    `view(b, L)` is the cache of the first b rows and L keys, the same storage: what a (b, L) CUDA graph reads and
+    writes. The transformers model calls update() only (a 4-D mask skips its mask building; positions are passed)."""
 
     is_compileable = True
 
@@ -317,8 +359,9 @@ class StaticKV:
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
         return cls(keys, values, torch.zeros((), dtype=torch.long, device=device))
 
-    def view(self, rows: int) -> StaticKV:
-        return StaticKV([k[:rows] for k in self.keys], [v[:rows] for v in self.values], self.position)
+    def view(self, rows: int, length: int | None = None) -> StaticKV:
+        keys = [k[:rows, :, :length] for k in self.keys]
+        return StaticKV(keys, [v[:rows, :, :length] for v in self.values], self.position)
 
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         """Write key/value states (b, KV heads, q, head dim) at positions position .. position + q - 1."""
@@ -330,15 +373,15 @@ class StaticKV:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.position)
 
-    def repeat_prompts(self, prompts: int, n: int) -> None:
-        """Rows [0, prompts) hold one prefilled prompt each: give each its n consecutive rows."""
+    def repeat_prompts(self, prompts: int, n: int, length: int) -> None:
+        """Rows [0, prompts) hold one prefilled prompt each in their first `length` keys: give each its n rows."""
         for k in (*self.keys, *self.values):
-            k.copy_(k[:prompts].repeat_interleave(n, dim=0))
+            k[:, :, :length] = k[:prompts, :, :length].repeat_interleave(n, dim=0)
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Move rows `rows` (ascending) to the first len(rows) slots."""
+    def select(self, rows: torch.Tensor, length: int) -> None:
+        """Move rows `rows` (ascending) to the first len(rows) slots: their first `length` keys (those written)."""
         for k in (*self.keys, *self.values):
-            k[: len(rows)] = k[rows]
+            k[: len(rows), :, :length] = k[rows, :, :length]
 
 
 GQA_SDPA = "rlvr_gqa_sdpa"  # the attention StaticHFEngine's copy runs (transformers' AttentionInterface)
@@ -355,9 +398,10 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, s
     kv_heads = key.shape[1]
     if q != 1 or heads == kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    grouped = query.view(b, kv_heads, heads // kv_heads, d)  # (b, Hkv, g, d)
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, d)  # (b, Hkv, g, d)
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # (b, Hkv, g, d)
-    return out.view(b, heads, 1, d).transpose(1, 2).contiguous(), None  # (b, 1, H, d), as transformers' SDPA returns
+    # reshape, not view: a kernel may return its output in another memory layout (the mem-efficient one: transposed)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None  # (b, 1, H, d), as transformers' SDPA returns
 
 
 def _register_gqa_sdpa() -> None:
@@ -373,37 +417,59 @@ def _bucket(rows: int, most: int) -> int:
     return min(most, 1 << max(rows - 1, 0).bit_length())
 
 
+CACHE_LENGTH_QUANTUM = 256  # the static cache's keys: a multiple of it, so chunks whose prompts differ share a cache
+LENGTH_BUCKET_MIN = 64  # the fewest keys a decode step reads
+
+
+def _cache_length(keys: int) -> int:
+    return -(-keys // CACHE_LENGTH_QUANTUM) * CACHE_LENGTH_QUANTUM
+
+
+def _length_bucket(filled: int, length: int) -> int:
+    """The keys a decode step reads when `filled` are written: the next power of two (at least LENGTH_BUCKET_MIN),
+    at most the cache's `length`: at most twice the filled part, and few graphs."""
+    return min(length, max(LENGTH_BUCKET_MIN, 1 << max(filled - 1, 0).bit_length()))
+
+
 def _as_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
     """A boolean mask (True: attend) as the model's attention takes it: bool for SDPA, additive for eager."""
     if model.config._attn_implementation == "eager":
-        dtype = common.model_traits(model).autocast_dtype or next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype  # the static loop computes in its weights' dtype (autocast off)
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
     return allowed
 
 
 class _DecodeGraphs:
-    """decode(b) as a CUDA graph per bucket b, captured at its first use (a warm-up run on a side stream first, the
-    graphs sharing one memory pool) and replayed after; where there is no CUDA, decode(b) itself."""
+    """decode(*shape) as a CUDA graph per shape (rows bucket, keys bucket), captured at its first use (a warm-up run
+    on a side stream first, the graphs sharing one memory pool) and replayed after; where there is no CUDA (or
+    --eager-decode), decode(*shape) itself. A capture that fails stops the run with its cause (RunError)."""
 
     def __init__(self, decode, device: torch.device):
         self.decode, self.cuda = decode, device.type == "cuda"
         self.graphs, self.outputs, self.pool = {}, {}, None
 
-    def __call__(self, b: int) -> torch.Tensor:
+    def __call__(self, *shape) -> torch.Tensor:
         if not self.cuda:
-            return self.decode(b)
-        if b not in self.graphs:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.decode(b)  # warm-up: lazy allocations and library handles happen outside the capture
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self.decode(b)
-            self.pool, self.graphs[b] = graph.pool(), graph
-        self.graphs[b].replay()
-        return self.outputs[b]
+            return self.decode(*shape)
+        if shape not in self.graphs:
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self.decode(*shape)  # warm-up: lazy allocations and library handles happen outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[shape] = self.decode(*shape)
+            except Exception as exc:  # noqa: BLE001 - any capture failure: one line with its cause, no fallback
+                cause = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise RunError(
+                    f"the HF engine could not capture its decode step as a CUDA graph ({type(exc).__name__}: {cause}); "
+                    "run with --eager-decode (the same static loop without graphs, slower)"
+                ) from exc
+            self.pool, self.graphs[shape] = graph.pool(), graph
+        self.graphs[shape].replay()
+        return self.outputs[shape]
 
     def release(self) -> None:
         self.graphs.clear()
@@ -509,7 +575,7 @@ class VLLMEngine:
     process it runs in (the GPU build, unless OMP_NUM_THREADS is set): the trainer's count is restored after the
     engine is built and around each call into it.
 
-    Under torch.distributed (world size > 1, e.g. torchrun): one independent engine per rank, built by all ranks
+    Under torchrun (at any world size): one independent engine per rank, built by all ranks
     together (construction runs collectives on the existing process group), each generating its own prompts;
     push_weights is then a collective too (FSDP2 parameters are gathered with full_tensor())."""
 
@@ -556,7 +622,7 @@ class VLLMEngine:
             )
         self.world_size, self.rank = common.world().world_size, common.world().rank
         distributed = {}
-        if self.world_size > 1:
+        if common.world().enabled:  # torchrun, at any world size
             # vLLM's "external data parallel" layout: one engine per rank in this process (external_launcher, a
             # UniProcExecutor, so reload_weights serves the push as with one process), TP = PP = DP = 1: N
             # replicas that generate independently; built by all ranks together (docs/vllm.md, "Several processes")
@@ -685,7 +751,7 @@ class VLLMEngine:
     ) -> common.RolloutBatch:
         """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
         numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
-        group_ids: with global indices a group's completions do not depend on how the prompts are split over
+        group_ids: with global indices a group's seeds do not depend on how the prompts are split over
         ranks, and calls with different seeds (the scripts pass seed + step) get unrelated seed ranges."""
         if self._closed:
             raise RuntimeError("vLLM engine was closed")

@@ -428,7 +428,7 @@ def shard_model(model):
     are not recursive):
     each rank's loss already carries the global denominators (mini-batch tokens or rows), so the sum is the
     one-process gradient. completion_logps' path (the body + the LM head weight, not model.forward) is
-    registered as an FSDP forward method. World size 1: the model unchanged."""
+    registered as an FSDP forward method. One process (no torchrun): the model unchanged."""
     if not common.world().enabled:
         return model
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -448,7 +448,7 @@ def shard_model(model):
 def load_policy(args, model_path: str, device: torch.device, lora: LoRA | None = None):
     """The model the run trains: load_model with the run's flags (--gradient-checkpointing, --dtype, --compile,
     --max-position-embeddings; `lora`: adapters on it), then FSDP2-sharded over the ranks under torchrun (shard_model;
-    world size 1: unchanged)."""
+    one process without torchrun: unchanged)."""
     model = load_model(
         model_path,
         device,
@@ -780,9 +780,10 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     log-probs; the HF engine returns them for a correction (--rollout-is) or when `engine_logps` asks. --dtype (bf16 |
     fp16): vLLM's weights on a GPU; --gpu-memory-utilization, --vllm-sleep-level: vLLM's; --max-position-embeddings
     > 0: vLLM's model config gets it too (hf_overrides). --engine-dtype bf16: the HF engine generates with a bf16 copy
-    of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: that on a GPU in one process
-    (its static KV cache and CUDA graphs run on the copy), the trainer's own weights elsewhere. --gen-batch-size: the
-    HF engine's rows generated together (run.setup resolved 0)."""
+    of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: a copy in --dtype (bf16, or
+    fp16) on a GPU in one process (its static KV cache and CUDA graphs run on the copy), the trainer's own weights
+    elsewhere (engine_copy_dtype). --gen-batch-size: the HF engine's rows generated together (run.setup resolved 0).
+    --eager-decode: the static loop without CUDA graphs."""
     kind = args.engine
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
@@ -798,9 +799,72 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
         )
     return_logps = engine_logps or args.rollout_is != "none"  # a correction needs the engine's log-probs
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
-    low = args.engine_dtype == "bf16" or (args.engine_dtype == "auto" and on_gpu)
-    hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=torch.bfloat16 if low else None)
+    copy_dtype = engine_copy_dtype(args, on_gpu)
+    low = copy_dtype is not None
+    if not args.gen_batch_size:  # run.setup leaves 0 on a GPU: the rows that fit its free memory
+        cuda = next(model.parameters()).device.type == "cuda"
+        args.gen_batch_size = gen_batch_for_device(model, max_model_len, copy_dtype) if cuda else GEN_BATCH_CPU
+    hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
-        return engines.StaticHFEngine(model, tokenizer, **hf)
+        return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=not args.eager_decode)
     return engines.HFEngine(model, tokenizer, **hf)
+
+
+def engine_copy_dtype(args, on_gpu: bool) -> torch.dtype | None:
+    """The dtype of the HF engine's copy of the weights (None: it generates on the trainer's own model):
+    --engine-dtype bf16: bf16; auto: on a GPU in one process a copy in the compute dtype --dtype (fp16 under
+    --dtype fp16, so the engine rounds as the trainer's autocast does), elsewhere none."""
+    if args.engine_dtype == "bf16":
+        return torch.bfloat16
+    if args.engine_dtype == "auto" and on_gpu:
+        return torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    return None
+
+
+# ----- the HF engine's batch on a GPU (--gen-batch-size 0): the rows its free memory holds
+
+GEN_BATCH_CPU = 64  # --gen-batch-size 0 on CPU
+GEN_BATCH_MAX = 1024  # the most rows the HF engine generates together when it sizes its batch itself
+GEN_MEMORY_SHARE = 0.8  # of the free memory for the rows (the rest: the prompts' prefill, the allocator's slack)
+
+
+def engine_row_bytes(config, context: int, dtype_bytes: int = 2) -> int:
+    """GPU bytes one generated row costs the HF engine: its KV cache over `context` tokens (keys and values of every
+    layer in the engine's dtype, the context rounded up as StaticHFEngine's cache is) and the sampler's temporaries over
+    the vocabulary (the logits in the engine's dtype, then fp32 scores, softmax and log-softmax and the fp64
+    cumulative sum: dtype + 20 bytes a vocabulary entry). `config`: a transformers config or its dict."""
+    cfg = config if isinstance(config, dict) else config.get_text_config().to_dict()
+    heads = cfg["num_attention_heads"]
+    kv_heads, head_dim = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads
+    keys = -(-context // engines.CACHE_LENGTH_QUANTUM) * engines.CACHE_LENGTH_QUANTUM
+    kv = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * keys
+    return kv + (dtype_bytes + 20) * cfg["vocab_size"]
+
+
+def gen_batch_from_memory(free_bytes: float, row_bytes: int, most: int = GEN_BATCH_MAX) -> int:
+    """The rows GEN_MEMORY_SHARE of `free_bytes` holds at `row_bytes` each: at least 1, at most `most`."""
+    return max(1, min(most, int(GEN_MEMORY_SHARE * max(free_bytes, 0)) // row_bytes))
+
+
+def gen_batch_for_device(model, context: int, copy_dtype) -> int:
+    """--gen-batch-size 0 on a GPU: the rows that fit the device's free memory (the allocator's cached blocks
+    included) once the engine's copy of the weights and AdamW's moments (allocated at the first update) are
+    taken out, at engine_row_bytes a row; under torchrun the fewest rows of any rank; one line says it."""
+    device = next(model.parameters()).device
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: this rank's shard
+    moments = sum(2 * p.numel() * p.element_size() for p, q in zip(local, model.parameters()) if q.requires_grad)
+    copy = sum(p.numel() for p in local) * copy_dtype.itemsize if copy_dtype is not None else 0
+    dtype = copy_dtype or common.model_traits(model).autocast_dtype or local[0].dtype
+    row = engine_row_bytes(model.config, context, dtype.itemsize)
+    rows = gen_batch_from_memory(free - moments - copy, row)
+    rows = int(-common.world().max(-rows))  # torchrun: the fewest of any rank (synced generation: equal chunks)
+    common.CONSOLE.info(
+        f"--gen-batch-size 0: {rows} rows generated together ({free / 1e9:.1f} GB free of {total / 1e9:.1f} GB, "
+        f"{(moments + copy) / 1e9:.1f} GB of it kept for AdamW's moments and the engine's copy; "
+        f"{GEN_MEMORY_SHARE:g} of the rest at {row / 2**20:.1f} MiB a row: the KV cache over {context} tokens and the "
+        f"sampler over the vocabulary)"
+    )
+    return rows

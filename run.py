@@ -6,7 +6,8 @@ flags         Args and arg (the common flags; a script subclasses Args), ARG_CHE
 command line  command_line (a UserError or RunError of verifiers.py becomes one line), parse_args, load_config
               (--config)
 start         setup (checks, torchrun, threads, seeds, device) -> (common.World, device)
-processes     init_world -> DistributedWorld (torchrun; common.World.install), env_world_size
+processes     init_world -> DistributedWorld (torchrun at any world size; common.World.install), env_world_size,
+              under_torchrun
 """
 
 from __future__ import annotations
@@ -137,12 +138,23 @@ class Args:
         "longest pack); 0: 1024 on CPU, 16384 on a GPU",
     )
     logp_chunk_tokens: int = arg(256, "completion tokens per chunk of the LM head + log-softmax")
-    gen_batch_size: int = arg(0, "sequences generated together (hf engine; bounds its KV cache); 0: 64 on CPU, 256 on a GPU")
+    gen_batch_size: int = arg(
+        0,
+        "sequences generated together (hf engine; bounds its KV cache); 0: 64 on CPU, on a GPU the rows its free "
+        "memory holds at the start (KV cache at the run's context, the sampler; one line says how many)",
+    )
     engine_dtype: Literal["auto", "bf16", "trainer"] = arg(
         "auto",
         "the hf engine's weights for generation: bf16 (a bf16 copy refreshed at every weight sync, the trainer's "
         "fp32 weights untouched; its mismatch is logged: docs/mismatch.md), trainer (the trainer's own); auto: bf16 "
-        "on a GPU in one process (with a static KV cache and CUDA graphs), the trainer's elsewhere",
+        "on a GPU in one process (with a static KV cache and CUDA graphs; under --dtype fp16 the copy is fp16), the "
+        "trainer's elsewhere",
+    )
+    eager_decode: bool = arg(
+        False,
+        "the hf engine's static loop on a GPU (one process) without CUDA graphs: its decode step runs eagerly, the "
+        "same tokens, slower; for a GPU where capturing the graphs fails (the run stops with the cause and names this "
+        "flag)",
     )
     gpu_memory_utilization: float = arg(
         0.35,
@@ -254,7 +266,7 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("overlong_penalty", lambda v: _is_num(v) and v >= 0, "must be >= 0 (the penalty at --max-new-tokens)"),
     ("micro_batch_tokens", lambda v: v >= 0, "must be >= 0 (0 picks 1024 on CPU, 16384 on a GPU)"),
     ("logp_chunk_tokens", lambda v: v >= 1, "must be >= 1"),
-    ("gen_batch_size", lambda v: v >= 0, "must be >= 0 (0: 64 on CPU, 256 on a GPU)"),
+    ("gen_batch_size", lambda v: v >= 0, "must be >= 0 (0: 64 on CPU, sized from the free memory on a GPU)"),
     ("gpu_memory_utilization", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     ("vllm_sleep_level", lambda v: v in (1, 2), "must be 1 or 2"),
     ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
@@ -315,7 +327,7 @@ def _check_cross(args) -> str | None:
         )
     if args.engine_dtype == "bf16" and args.engine == "vllm":
         return "--engine-dtype bf16 is the hf engine's: vLLM's weights take --dtype (bf16 on a GPU already)"
-    if args.engine_dtype == "bf16" and W > 1:
+    if args.engine_dtype == "bf16" and under_torchrun():
         return "--engine-dtype bf16 runs in one process only (a bf16 copy of FSDP2-sharded weights is not wired up)"
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
@@ -622,7 +634,8 @@ def setup(args) -> tuple[common.World, torch.device]:
             "--engine-dtype bf16 is the hf engine's: --engine auto picks vLLM here (its weights take --dtype); add --engine hf"
         )
     args.micro_batch_tokens = resolve_micro_batch_tokens(args.micro_batch_tokens, device)
-    args.gen_batch_size = args.gen_batch_size or (256 if device.type == "cuda" else 64)  # args.json: the value used
+    if device.type != "cuda":  # on a GPU 0 stays: models.make_engine sizes the batch from the free memory
+        args.gen_batch_size = args.gen_batch_size or models.GEN_BATCH_CPU  # args.json: the value used
     seed_everything(args.seed)
     return w, device
 
@@ -667,8 +680,9 @@ def seed_everything(seed: int) -> None:
 
 # ----- several processes (torchrun + FSDP2; docs/distributed.md)
 #
-# `python gapo.py` is world size 1: no process group, no wrapping, and every common.World method returns its input
-# (the numbers of a one-process run). Under `torchrun --nproc-per-node N` every rank runs the same script on the same
+# `python gapo.py` is one process: no process group, no wrapping, and every common.World method returns its input
+# (the numbers of a one-process run). Under `torchrun --nproc-per-node N`, N = 1 too (the distributed path then runs
+# on one GPU: the process group, FSDP2, the FSDP HF engine), every rank runs the same script on the same
 # seeded prompts and mini-batch plan; whole prompt groups are dealt to ranks, each generates and trains only its
 # rows, per-row scalars (rewards, lengths, what a method needs) are shared so that every rank computes the group
 # and batch statistics of the whole batch, and loss denominators are global (FSDP sums gradients, it does not
@@ -686,6 +700,12 @@ def env_world_size() -> int:
         raise UserError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} is not a number; launch with torchrun") from None
 
 
+def under_torchrun() -> bool:
+    """A launch by torchrun at any world size (1 too): the env:// rendezvous variables it sets (WORLD_SIZE, RANK,
+    MASTER_ADDR, MASTER_PORT) are there, or WORLD_SIZE says more than one process. A plain `python` run sets none."""
+    return env_world_size() > 1 or all(v in os.environ for v in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def minibatch_group_counts(num_prompts: int, num_minibatches: int) -> list[int]:
     """Prompt groups per mini-batch of group_shuffled_minibatches (ceil(P/M) each, the last one the rest)."""
     per = math.ceil(num_prompts / num_minibatches)
@@ -698,7 +718,7 @@ class DistributedWorld(common.World):
 
     def __init__(self, rank: int, world_size: int, local_rank: int, device: torch.device):
         self.rank, self.world_size, self.local_rank, self.device = rank, world_size, local_rank, device
-        self.enabled, self.is_main = world_size > 1, rank == 0
+        self.enabled, self.is_main = True, rank == 0  # torchrun at any world size: collectives on the group
         self._closers: list[Callable[[], None]] = []  # run by shutdown() before the process group goes
 
     # -- splitting a batch ---------------------------------------------------------------------
@@ -732,7 +752,7 @@ class DistributedWorld(common.World):
             out[big : big + 1] = _split_micro_batch(out[big])
         return out
 
-    # -- collectives (identity at world size 1) ------------------------------------------------
+    # -- collectives over the process group (at world size 1 they return their input) --------
     def share_rows(self, values: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """values (B, ...) valid on this rank's `rows` only -> valid on every row, on every rank (each row has
         exactly one owner: a SUM of the owner's value and zeros, exact in any dtype)."""
@@ -832,9 +852,9 @@ def _split_micro_batch(micro):
 
 
 def init_world() -> common.World:
-    """Under torchrun: join the process group (gloo on CPU, NCCL with the rank's GPU) and quiet the other ranks
-    (quiet_rank). Plain `python`: world size 1, nothing happens."""
-    if env_world_size() == 1 or common.world().enabled:
+    """Under torchrun, at any world size (1 too): join the process group (gloo on CPU, NCCL with the rank's GPU) and
+    quiet the other ranks (quiet_rank). Plain `python`: one process, nothing happens."""
+    if not under_torchrun() or common.world().enabled:
         return common.world()
     import datetime
 

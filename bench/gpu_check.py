@@ -17,13 +17,19 @@ MB), in this process unless what is checked is a launcher:
   resume, eval-only            grpo resumed from its step-1 checkpoint (step 2's rewards as uninterrupted), then
                                --eval-only on its final/
   precision                    an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16 weights (bench/bf16_update.py)
-  torchrun, torchrun-resume    subprocesses: torchrun --nproc-per-node 1 (NCCL, FSDP2), then resumed in one process
+  torchrun, torchrun-resume    torchrun --nproc-per-node 1 in a subprocess: the distributed path on one GPU (an NCCL
+                               process group, FSDP2, the FSDP HF engine; its checkpoint's per-rank generator states
+                               say so), then resumed in one process
 Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gpu_step.py's functions):
   gen-0.5b        StaticHFEngine, HFEngine and transformers' generate, bf16 weights, 16 prompts x 8 x 256 tokens
   step-0.5b       the training step without checkpointing: tokens/s, MFU, peak memory against bench/memory_plan.py
-  packed-0.5b     rows in groups of 8 sharing a 128-token prompt: packed (the cost rule) against padded
+  packed-0.5b     rows in groups of 8 sharing a 512-token prompt (256 completion tokens, a shape the cost rule
+                  packs): packed against padded
   step-1.5b       without checkpointing, then step-1.5b-ckpt with it
   compile-1.5b    --compile (models.compile_model), last: its compile time is the least certain part
+Each speed step's shape is chosen from the device's memory (torch.cuda.get_device_properties(0).total_memory) and
+bench/memory_plan.py's plan of it, one line each: as published when the plan is within 0.9 of the memory, else with
+--micro-batch-tokens halved until it is (an H100 of 80 GB: step-1.5b and compile-1.5b), else skipped.
 Before each step the free disk is checked (too little: the step is skipped, one line says why); after it its run
 folders are deleted and OUT/summary.md and OUT/results.json rewritten, so a check cut short still reports every
 step it finished. OUT: $OUT, else runs/gpu_check. Steps past --budget-s are skipped, not started.
@@ -63,10 +69,61 @@ SMALL = dict(
     tie_word_embeddings=True,
 )
 TINY = dict(SMALL, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+# the speed steps' shapes on a GPU (the dry run shrinks them): bench/gpu_step.py's arguments
+SPEED_DEFAULTS = dict(
+    model="", gen_prompts=16, num_generations=8, gen_tokens=256, gen_batch_size=128, train_rows=64, prompt_len=128,
+    completion_len=512, micro_batch_tokens=16384, logp_chunk_tokens=4096, gradient_checkpointing=False, repeats=2,
+    compile=False, group_size=1, compare_packing=False, engines=[],
+)  # fmt: skip
+# packed-0.5b: groups of 8 rows whose prompt is two thirds of a row, a shape micro_batches' cost rule packs (every
+# group in packs of 8; a 128-token prompt before 512 completion tokens packs nothing at 0.5B: docs/performance.md)
+PACKED_SHAPE = dict(group_size=8, prompt_len=512, completion_len=256)
 SPEED_KEYS = (
     "config", "gen_tokens_per_s_static", "gen_tokens_per_s_hf", "gen_tokens_per_s_generate", "train_tokens_per_s",
     "padded_train_tokens_per_s", "packed_groups", "achieved_tflops", "mfu", "train_peak_gb", "train_peak_gb_planned",
 )  # fmt: skip
+
+
+MEMORY_SHARE = 0.9  # of the device's memory a speed step's plan may take (the rest: CUDA context, fragmentation)
+MIN_MICRO_BATCH_TOKENS = 4096
+
+
+def planned_bytes(config: dict, a) -> float:
+    """bench/memory_plan.py's plan of a speed step (`a`: gpu_step's arguments): its training update, or with no
+    training rows its generation (the HF engine's batch at the step's context, a bf16 copy of the weights)."""
+    import memory_plan
+
+    if not a.train_rows:
+        context = a.prompt_len + a.gen_tokens
+        p = memory_plan.plan(config, engine="hf", gen_batch_size=a.gen_batch_size, max_model_len=context)
+        return sum(p["rollout (HF engine)"].values())
+    tokens = a.train_rows * (a.prompt_len + a.completion_len)
+    p = memory_plan.plan(
+        config,
+        micro_batch_tokens=min(a.micro_batch_tokens, tokens),
+        logp_chunk_tokens=a.logp_chunk_tokens,
+        gradient_checkpointing=a.gradient_checkpointing,
+    )
+    return sum(p["update"].values())
+
+
+def fit_to_memory(step: str, config: dict, a, total_bytes: int):
+    """A speed step's arguments as the device's memory takes them, by the plan: as they are when the plan is within
+    MEMORY_SHARE of `total_bytes`, else with --micro-batch-tokens halved until it is (down to MIN_MICRO_BATCH_TOKENS),
+    else None (the step is skipped). Returns (arguments or None, the one line that says which)."""
+    budget, planned = MEMORY_SHARE * total_bytes, planned_bytes(config, a)
+    head = f"{step}: planned {planned / 1e9:.1f} GB"
+    if planned <= budget:
+        return a, f"{head}, within {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB: runs as planned"
+    fitted = types.SimpleNamespace(**vars(a))
+    while a.train_rows and fitted.micro_batch_tokens // 2 >= MIN_MICRO_BATCH_TOKENS:
+        fitted.micro_batch_tokens //= 2
+        if (smaller := planned_bytes(config, fitted)) <= budget:
+            return fitted, (
+                f"{head}, over {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB: runs with "
+                f"--micro-batch-tokens {fitted.micro_batch_tokens} (planned {smaller / 1e9:.1f} GB)"
+            )
+    return None, f"{head}, over {MEMORY_SHARE:g} of the device's {total_bytes / 1e9:.1f} GB at any micro-batch: skipped"
 
 
 def export_assets(folder: str) -> None:
@@ -112,6 +169,19 @@ def finite_rows(rows: list[dict]) -> bool:
     return all(not isinstance(v, float) or math.isfinite(v) for row in rows for v in row.values())
 
 
+def distributed_figures(run_dir: str) -> dict:
+    """run_figures, and whether the run ran on a process group: its last checkpoint holds every rank's generator
+    state (`rng_ranks`), which only a run under a process group (FSDP2, synced engine) writes."""
+    import torch
+
+    figs = run_figures(run_dir)
+    last = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1]
+    state = torch.load(os.path.join(run_dir, "checkpoints", last, "trainer_state.pt"), weights_only=False)
+    figs["process_group"] = "rng_ranks" in state
+    figs["finite"] = figs["finite"] and figs["process_group"]
+    return figs
+
+
 def run_figures(run_dir: str) -> dict:
     rows = rows_of(run_dir)
     train = [r for r in rows if "losses/policy_loss" in r]
@@ -138,8 +208,14 @@ class Check:
         self.log = open(os.path.join(out, "logs.txt"), "w")
         self.t0 = time.time()
 
-    def _record(self, result: dict, text: str) -> dict:
-        self.log.write(f"===== {result['step']} ({result['s']} s)\n{text}\n")
+    def _begin(self, name: str) -> None:
+        """The step's header in logs.txt before it runs: what it prints follows as it comes (_LogStream), so a step
+        cut by the device's timeout leaves what it wrote."""
+        self.log.write(f"===== {name}\n")
+        self.log.flush()
+
+    def _record(self, result: dict) -> dict:
+        self.log.write(f"----- {result['step']}: {'ok' if result['ok'] else 'not ok'} in {result['s']} s\n")
         self.log.flush()
         self.results.append(result)
         ok = "ok" if result["ok"] else "SKIPPED" if result.get("skipped") else "FAILED"
@@ -155,15 +231,16 @@ class Check:
             return {"step": name, "s": 0, "ok": False, "skipped": True, "error": f"{free:.1f} GB free, {need_gb} GB needed"}
         return None
 
-    def step(self, name: str, fn, need_gb: float = 1.0, cleanup=()) -> dict:
-        """fn() in this process -> a dict of figures; its output captured into the log."""
+    def step(self, name: str, fn, need_gb: float = 1.0, cleanup=(), skip: str = "") -> dict:
+        """fn() in this process -> a dict of figures; its output captured into the log. `skip`: why it does not run."""
         print(f"== {name}", flush=True)
-        skipped = self._skip(name, need_gb)
+        self._begin(name)
+        skipped = {"step": name, "s": 0, "ok": False, "skipped": True, "error": skip} if skip else self._skip(name, need_gb)
         if skipped:
-            return self._record(skipped, "")
-        t0, buf = time.time(), io.StringIO()
+            return self._record(skipped)
+        t0, stream = time.time(), _LogStream(self.log)
         try:
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
                 figures = fn() or {}
             result = {"step": name, "ok": figures.get("finite", True) is not False, **figures}
         except BaseException as exc:  # noqa: BLE001 - a step's failure (SystemExit too) fails the step, not the check
@@ -174,19 +251,27 @@ class Check:
         for folder in cleanup:
             shutil.rmtree(folder, ignore_errors=True)
         _free_memory()
-        return self._record(result, buf.getvalue())
+        return self._record(result)
 
     def subprocess(self, name: str, cmd: list[str], timeout: float, figures=None, need_gb: float = 1.0) -> dict:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
+        self._begin(name)
         skipped = self._skip(name, need_gb)
         if skipped:
-            return self._record(skipped, "")
+            return self._record(skipped)
         t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
-            rc, output = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, output = "timeout", (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+        self.log.write(f"$ {' '.join(cmd)}\n")
+        self.log.flush()
+        start = self.log.tell()
+        try:  # the subprocess writes into logs.txt itself, as it goes
+            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        self.log.seek(0, os.SEEK_END)
+        with open(self.log.name, errors="replace") as f:
+            f.seek(start)
+            output = f.read()
         result = {"step": name, "rc": rc}
         if rc == 0 and figures is not None:
             try:
@@ -197,7 +282,7 @@ class Check:
             result["error"] = output.strip().splitlines()[-1] if output.strip() else f"exit {rc}"
         result["ok"] = rc == 0 and result.get("finite", True) is not False and "error" not in result
         result["s"] = round(time.time() - t0, 1)
-        return self._record(result, f"$ {' '.join(cmd)}\n{output}")
+        return self._record(result)
 
     def summary(self) -> str:
         lines = [self.header, "", "| step | result | s | figures |", "|---|---|---|---|"]
@@ -220,6 +305,18 @@ class Check:
             )
         with open(os.path.join(self.out, "summary.md"), "w") as f:
             f.write(self.summary() + "\n")
+
+
+class _LogStream(io.TextIOBase):
+    """A step's stdout and stderr: into logs.txt as they come, each write flushed."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.log.flush()
+        return len(text)
 
 
 def _free_memory() -> None:
@@ -381,14 +478,14 @@ def main() -> int:
 
     check.step("precision", precision)
 
-    # torchrun with one process: the process group (NCCL on a GPU, gloo on CPU) and FSDP2, then resumed in one process
+    # torchrun with one process: the distributed path (NCCL on a GPU, gloo on CPU; FSDP2), then resumed in one process
     torchrun = [a.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     tr_dir = os.path.join(runs, "torchrun")
     check.subprocess(
         "torchrun",
         [*torchrun, "grpo.py", *base, "--total-steps", str(steps), "--run-name", "torchrun"],
         240,
-        lambda: run_figures(tr_dir),
+        lambda: distributed_figures(tr_dir),
     )
     check.step(
         "torchrun-resume",
@@ -401,27 +498,34 @@ def main() -> int:
     import gpu_step
 
     device = torch.device(a.device)
-    peak = next((v for k, v in gpu_step.PEAK_TFLOPS.items() if k in gpu), None)
-    defaults = dict(
-        model="", gen_prompts=16, num_generations=8, gen_tokens=256, gen_batch_size=128, train_rows=64, prompt_len=128,
-        completion_len=512, micro_batch_tokens=16384, logp_chunk_tokens=4096, gradient_checkpointing=False, repeats=2,
-        compile=False, group_size=1, compare_packing=False, engines=[],
-    )  # fmt: skip
+    peak = gpu_step.peak_tflops(gpu)
+    defaults = dict(SPEED_DEFAULTS)
     if cpu:  # the dry run: the same code on the tiny config, a few tokens
         defaults |= dict(gen_prompts=2, num_generations=2, gen_tokens=8, gen_batch_size=4, train_rows=4, prompt_len=8,
                          completion_len=8, micro_batch_tokens=64, logp_chunk_tokens=16, repeats=1)  # fmt: skip
     small, big = ("tiny", "tiny") if cpu else ("qwen2.5-0.5b", "qwen2.5-1.5b")
 
-    def speed(name: str, **flags):
-        args = types.SimpleNamespace(**{**defaults, **flags})
-        return lambda: gpu_step.run_config(name, args, device, peak)
+    total = torch.cuda.get_device_properties(0).total_memory if not cpu else None
 
-    check.step("gen-0.5b", speed(small, engines=["static", "hf", "generate"], train_rows=0), need_gb=2)
-    check.step("step-0.5b", speed(small), need_gb=2)
-    check.step("packed-0.5b", speed(small, group_size=8, compare_packing=True), need_gb=2)
-    check.step("step-1.5b", speed(big), need_gb=2)
-    check.step("step-1.5b-ckpt", speed(big, gradient_checkpointing=True), need_gb=2)
-    check.step("compile-1.5b", speed(big, compile=True), need_gb=2)
+    def speed(step: str, name: str, **flags):
+        """The speed step `step` on config `name`, its shape chosen or skipped by the plan against the device's memory
+        (one line each; the dry run has no device memory to plan against)."""
+        args = types.SimpleNamespace(**{**defaults, **flags})
+        line = ""
+        if total is not None:
+            args, line = fit_to_memory(step, dict(gpu_step.CONFIGS[name], attention_bias=True), args, total)
+            print(line, flush=True)
+        if args is None:
+            return check.step(step, None, skip=line)
+        return check.step(step, lambda: {"memory": line, **gpu_step.run_config(name, args, device, peak)}, need_gb=2)
+
+    speed("gen-0.5b", small, engines=["static", "hf", "generate"], train_rows=0)
+    speed("step-0.5b", small)
+    packed_shape = PACKED_SHAPE if not cpu else dict(group_size=8)  # the dry run: its tiny rows pack as they are
+    speed("packed-0.5b", small, compare_packing=True, **packed_shape)
+    speed("step-1.5b", big)
+    speed("step-1.5b-ckpt", big, gradient_checkpointing=True)
+    speed("compile-1.5b", big, compile=True)
 
     check.write()
     check.log.close()

@@ -78,8 +78,18 @@ SUMMARY_KEYS = (
     "train_peak_gb_planned",
 )
 
-# bf16 dense peak FLOP/s (vendor data sheets, no sparsity)
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.05, "L4": 121.0, "A10G": 70.0}
+# bf16 dense peak TFLOP/s (vendor data sheets, no sparsity), by a part of torch.cuda.get_device_name(), the most
+# specific first: the PCIe and NVL forms of the H100 and H200 run at lower clocks and power than the SXM form
+# ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+PEAK_TFLOPS = {
+    "H100 PCIe": 756.5, "H100 NVL": 835.5, "H200 NVL": 835.5, "H200": 989.4, "H100": 989.4,
+    "A100": 312.0, "L40S": 362.05, "L4": 121.0, "A10G": 70.0,
+}  # fmt: skip
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The bf16 dense peak of the card named `device_name` (torch.cuda.get_device_name()); None: not known."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
 
 
 class RandomIdTokenizer:
@@ -307,7 +317,7 @@ def main():
     peak = a.peak_tflops
     if peak is None and device.type == "cuda":
         gpu = torch.cuda.get_device_name()
-        peak = next((v for k, v in PEAK_TFLOPS.items() if k in gpu), None)
+        peak = peak_tflops(gpu)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__}, device "
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, peak bf16 {peak} TFLOP/s",

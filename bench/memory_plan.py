@@ -15,8 +15,10 @@ micro-batch, L layers, H hidden, I intermediate, d head dim, Hq / Hkv heads, V v
 - vLLM, awake: --gpu-memory-utilization of the GPU (its bf16 weights 2P, CUDA graphs, activations, the KV cache in
   what is left: 2 * L * Hkv * d * 2 bytes a token); asleep: level 2 frees it all, level 1 too (the weights to pinned
   host memory);
-- the HF engine: a KV cache of --gen-batch-size rows x the context (bf16 under autocast), plus a bf16 copy of the
-  weights with --engine-dtype bf16;
+- the HF engine: --gen-batch-size rows (0, the default: the rows a default run picks, models.gen_batch_from_memory
+  of the GPU's memory less the trainer's state and the copy), each its KV cache over the context (bf16) and the
+  sampler's temporaries over the vocabulary (models.engine_row_bytes), plus a bf16 copy of the weights (2P) where a
+  default run makes one: --engine-dtype auto on one GPU (one process), or bf16;
 - host, per node: every rank loads the fp32 model on the host before moving it to its GPU (4P each, while loading),
   vLLM level-1 sleep keeps 2P pinned per rank, rank 0 assembles the fp32 state dict at each checkpoint (4P).
 Measured on an H200 (docs/performance.md): 0.5B, no checkpointing, 16,000-token micro-batches, --logp-chunk-tokens
@@ -28,6 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402 - the engine's bytes a row and its batch rule: what a run computes
 
 GIB = 2**30
 # the fields of config.json the estimate reads, for the models the recipes train (their config.json files)
@@ -89,7 +96,7 @@ def plan(
     gpu_memory_utilization: float = 0.35,
     vllm_sleep_level: int = 2,
     max_model_len: int = 4096,
-    gen_batch_size: int = 64,
+    gen_batch_size: int = 0,
     engine_dtype: str = "auto",
 ) -> dict:
     """{phase: {item: bytes}} per GPU (and "host" per node) for the flags."""
@@ -123,10 +130,15 @@ def plan(
         out["update"]["vLLM asleep"] = 0
         out["kv_tokens"] = max(kv, 0) / kv_bytes_per_token(cfg)
     else:
-        hf = {**state, "HF engine KV cache": gen_batch_size * max_model_len * kv_bytes_per_token(cfg)}
-        if engine_dtype == "bf16":
-            hf["HF engine bf16 copy (2P)"] = 2 * P
+        copy = 2 * P if engine_dtype == "bf16" or (engine_dtype == "auto" and W == 1) else 0  # make_engine's
+        row = models.engine_row_bytes(cfg, max_model_len, 2)
+        rows = gen_batch_size or models.gen_batch_from_memory(gpu_gb * 1e9 - sum(state.values()) - copy, row)
+        kv = rows * models.engine_row_bytes({**cfg, "vocab_size": 0}, max_model_len, 2)  # the row's KV part
+        hf = {**state, "HF engine KV cache": kv, "HF engine sampler temporaries": rows * row - kv}
+        if copy:
+            hf["HF engine bf16 copy (2P)"] = copy
         out["rollout (HF engine)"] = hf
+        out["gen_batch_size"] = rows
     host = {"load: fp32 model per rank (4P x ranks, transient)": 4 * P * W, "checkpoint: rank 0's fp32 state dict": 4 * P}
     if engine == "vllm" and vllm_sleep_level == 1:
         host["vLLM level-1 sleep: pinned bf16 weights (2P x ranks)"] = 2 * P * W
@@ -141,7 +153,7 @@ def totals(p: dict) -> dict[str, float]:
 
 def table(configs: dict, gpus_list=(1, 8), **flags) -> str:
     lines = [
-        "| model | GPUs | update (trainer) | rollout | host peak (node) | KV tokens (vLLM) |",
+        "| model | GPUs | update (trainer) | rollout | host peak (node) | KV tokens (vLLM) or rows generated (HF) |",
         "|---|---|---|---|---|---|",
     ]
     for name, cfg in configs.items():
@@ -149,7 +161,7 @@ def table(configs: dict, gpus_list=(1, 8), **flags) -> str:
             p = plan(cfg, gpus=gpus, **flags)
             t = totals(p)
             rollout = next(v for k, v in t.items() if k.startswith("rollout"))
-            kv = f"{p['kv_tokens'] / 1e3:.0f}k" if "kv_tokens" in p else "-"
+            kv = f"{p['kv_tokens'] / 1e3:.0f}k" if "kv_tokens" in p else f"{p['gen_batch_size']} rows (HF)"
             lines.append(
                 f"| {name} ({p['params'] / 1e9:.2f} B) | {gpus} | {t['update'] / GIB:.1f} GiB | {rollout / GIB:.1f} GiB | "
                 f"{t['host (per node)'] / GIB:.0f} GiB | {kv} |"
@@ -169,7 +181,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     ap.add_argument("--vllm-sleep-level", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--gen-batch-size", type=int, default=64)
+    ap.add_argument("--gen-batch-size", type=int, default=0, help="0: what a default run picks from the memory")
+    ap.add_argument("--engine-dtype", choices=["auto", "bf16", "trainer"], default="auto")
     ap.add_argument("--json", action="store_true", help="print every item of every phase as JSON")
     a = ap.parse_args()
     configs = SHAPES
@@ -186,6 +199,7 @@ def main() -> None:
         vllm_sleep_level=a.vllm_sleep_level,
         max_model_len=a.max_model_len,
         gen_batch_size=a.gen_batch_size,
+        engine_dtype=a.engine_dtype,
     )
     if a.json:
         out = {f"{n}/{g}": plan(c, gpus=g, **flags) for n, c in configs.items() for g in a.gpus}

@@ -14,6 +14,9 @@ under `python -m torch.distributed.run --nproc-per-node 2` (gloo on CPU).
                                               the HF engine under FSDP2 (synced): rank 0's rows all end at their
                                               first token, rank 1's run to the maximum; each rank saves its
                                               completions, log-probs and its next random draw.
+  dist_worker.py world <tiny model>          what a script's start makes (run.setup, models.load_policy,
+                                              models.make_engine): prints the process group, FSDP2 and the
+                                              engine it finds as one JSON line
   dist_worker.py fail-each-rank              run_cli with a main that raises a RunError of its own on every rank
   dist_worker.py slow-stderr <rank> <mode...> any mode above, with every write to stderr on <rank> SLOW_WRITE_S late
                                               (the race: the other rank exits first, torchrun then stops this one)
@@ -283,6 +286,31 @@ def run_generate(model_path: str, out_path: str) -> None:
         world.shutdown()
 
 
+def run_world(model_path: str) -> None:
+    import json
+
+    import torch.distributed as td
+    from torch.distributed.fsdp import FSDPModule
+
+    import grpo
+
+    args = grpo.Args(model=model_path, engine="hf")
+    world, device = run.setup(args)
+    model = models.load_policy(args, model_path, device)
+    engine = models.make_engine(args, model, models.load_tokenizer(model_path), model_path, 64)
+    found = {
+        "process_group": td.is_initialized(),
+        "backend": td.get_backend() if td.is_initialized() else None,
+        "world_size": td.get_world_size() if td.is_initialized() else None,
+        "enabled": world.enabled,
+        "fsdp2": isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in model.model.layers),
+        "engine": type(engine).__name__,
+    }
+    print("WORLD " + json.dumps(found), flush=True)
+    if world.enabled:
+        world.shutdown()
+
+
 SLOW_WRITE_S = 1.5
 
 
@@ -327,6 +355,8 @@ def main() -> None:
         run_update(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
     elif mode == "generate":
         run_generate(sys.argv[2], sys.argv[3])
+    elif mode == "world":
+        run_world(sys.argv[2])
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

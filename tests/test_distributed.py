@@ -465,3 +465,26 @@ def test_uneven_batch_fails_before_loading(toy, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, proc.stderr[-2000:]  # every rank checks the flags; rank 0 prints
     assert "multiple of 2" in lines[0] and "Loading weights" not in proc.stderr
+
+
+def test_torchrun_with_one_process_runs_the_distributed_path(toy):
+    """torchrun --nproc-per-node 1 is the distributed path on one process (issue 50): a gloo process group, the policy
+    under FSDP2 and the synced HF engine, so the GPU check's torchrun steps test NCCL and FSDP2 on one GPU. Before
+    issue 50 it was a plain one-process run (no group, no FSDP2); a plain `python` run still is."""
+    import json
+
+    found = {}
+    for nproc in (1, "torchrun-1"):
+        cmd = [sys.executable, WORKER, "world", toy["model"]]
+        if nproc != 1:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=toy["dir"], env=env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("WORLD "))
+        found[nproc] = json.loads(line[len("WORLD ") :])
+    assert found["torchrun-1"] == {
+        "process_group": True, "backend": "gloo", "world_size": 1, "enabled": True, "fsdp2": True, "engine": "HFEngine",
+    }  # fmt: skip
+    assert found[1] == {
+        "process_group": False, "backend": None, "world_size": None, "enabled": False, "fsdp2": False, "engine": "HFEngine",
+    }  # fmt: skip

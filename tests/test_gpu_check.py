@@ -36,6 +36,7 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     for m in ("grpo", "gapo", "mugrpo", "codapo"):
         assert by[m]["finite"] and by[m]["updates"] >= 1 and by[m]["final"]
         assert by[m]["peak_mem_gb"] > 0 and len(by[m]["pass@1"]) == 2  # evaluated before and after
+    assert by["torchrun"]["process_group"]  # torchrun with one process ran the distributed path (issue 50)
     assert by["grpo"]["grad_norm_max"] > 0  # the parity reward gives mixed groups: a real gradient
     assert by["resume"]["step2_reward"][0] == by["resume"]["step2_reward"][1]  # on the CPU: exactly
     assert by["gen-0.5b"]["gen_tokens_static"] == by["gen-0.5b"]["gen_tokens_generate"] > 0  # the same work

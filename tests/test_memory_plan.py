@@ -78,3 +78,75 @@ def test_the_trainer_state_is_what_a_checkpoint_holds(toy):
     eight = memory_plan.plan(cfg, gpus=8)
     assert eight["update"]["AdamW moments (8P/W)"] == p["update"]["AdamW moments (8P/W)"] / 8  # sharded by FSDP2
     assert eight["host (per node)"]["load: fp32 model per rank (4P x ranks, transient)"] == 8 * outputs.model_bytes(model)
+
+
+# ----- the HF engine's batch (issue 50): what a default run generates together, and what the plan says of it
+
+
+def test_the_engines_row_bytes_are_its_static_caches():
+    """models.engine_row_bytes' KV part is what StaticHFEngine's cache holds for one row at the context (rounded up
+    to 256 keys), in bf16; its sampler part is dtype + 20 bytes a vocabulary entry."""
+    from transformers import Qwen2Config
+
+    import engines
+
+    config = Qwen2Config(**memory_plan.SHAPES["qwen2.5-1.5b"])
+    cache = engines.StaticKV.allocate(config, 3, engines._cache_length(4100), torch.bfloat16, torch.device("meta"))
+    per_row = sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values)) / 3
+    assert models.engine_row_bytes(config, 4100, 2) == per_row + 22 * config.vocab_size
+    assert per_row == 4352 * memory_plan.kv_bytes_per_token(memory_plan.SHAPES["qwen2.5-1.5b"])
+    assert models.gen_batch_from_memory(10e9, 10**8) == 80 and models.gen_batch_from_memory(-1.0, 10**8) == 1
+    assert models.gen_batch_from_memory(1e15, 10**8) == models.GEN_BATCH_MAX
+
+
+def test_a_default_hf_run_on_one_gpu_is_planned_as_it_runs():
+    """bench/memory_plan.py plans a default run: on one GPU the bf16 copy make_engine makes (--engine-dtype auto)
+    and the batch --gen-batch-size 0 picks from the memory left; under FSDP2 no copy. The SimpleRL 1.5B rollout
+    (8,192 new tokens) fits an 80 GB GPU then (84 GB planned at 256 rows before issue 50)."""
+    cfg = memory_plan.SHAPES["qwen2.5-1.5b"]
+    one = memory_plan.plan(cfg, gpus=1, engine="hf", max_model_len=8704)
+    rollout = one["rollout (HF engine)"]
+    assert rollout["HF engine bf16 copy (2P)"] == 2 * one["params"]
+    left = 80e9 - rollout["fp32 weights (4P/W)"] - rollout["AdamW moments (8P/W)"] - 2 * one["params"]
+    assert one["gen_batch_size"] == models.gen_batch_from_memory(left, models.engine_row_bytes(cfg, 8704, 2)) == 184
+    assert sum(rollout.values()) < 80e9
+    eight = memory_plan.plan(cfg, gpus=8, engine="hf", max_model_len=8704)
+    assert "HF engine bf16 copy (2P)" not in eight["rollout (HF engine)"]
+    fixed = memory_plan.plan(cfg, gpus=1, engine="hf", max_model_len=8704, gen_batch_size=256)
+    assert fixed["gen_batch_size"] == 256 and sum(fixed["rollout (HF engine)"].values()) > 80e9  # what 256 rows needed
+
+
+def test_the_gen_batch_on_a_gpu_comes_from_its_free_memory(toy, monkeypatch):
+    """--gen-batch-size 0 on a GPU (models.gen_batch_for_device, the CUDA queries stubbed here): the free memory, the
+    allocator's cached blocks added, less AdamW's moments and the engine's copy, at engine_row_bytes a row; one line."""
+    model = models.load_model(toy["model"], torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2_000_000_000, 80_000_000_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 300_000_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100_000_000)
+    lines = []
+    monkeypatch.setattr(models.common.CONSOLE, "info", lines.append)
+    rows = models.gen_batch_for_device(model, 1000, torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    free = 2_000_000_000 + 200_000_000 - 8 * n - 2 * n  # AdamW's two fp32 moments, the bf16 copy
+    assert rows == models.gen_batch_from_memory(free, models.engine_row_bytes(model.config, 1000, 2))
+    assert len(lines) == 1 and lines[0].startswith(f"--gen-batch-size 0: {rows} rows generated together")
+
+
+def test_the_gpu_check_fits_its_speed_steps_to_the_device():
+    """bench/gpu_check.py's speed steps against the device's memory and the plan: an H200 (143.8 GB) runs them as
+    published, an H100 of 80 GB (85.0 GB) runs step-1.5b with micro-batches of 8,192 tokens (92.6 GB planned at
+    16,384), a 48 GB card skips it."""
+    import types
+
+    import gpu_check
+    import gpu_step
+
+    a = types.SimpleNamespace(**gpu_check.SPEED_DEFAULTS)
+    cfg = dict(gpu_step.CONFIGS["qwen2.5-1.5b"], attention_bias=True)
+    assert gpu_check.planned_bytes(cfg, a) == pytest.approx(92.6e9, rel=1e-3)
+    same, line = gpu_check.fit_to_memory("step-1.5b", cfg, a, 143_771_287_552)
+    assert same is a and line.endswith("runs as planned")
+    smaller, line = gpu_check.fit_to_memory("step-1.5b", cfg, a, 85_029_158_912)
+    assert smaller.micro_batch_tokens == 8192 and a.micro_batch_tokens == 16384 and "--micro-batch-tokens 8192" in line
+    skipped = "step-1.5b: planned 92.6 GB, over 0.9 of the device's 48.0 GB at any micro-batch: skipped"
+    assert gpu_check.fit_to_memory("step-1.5b", cfg, a, 48_000_000_000) == (None, skipped)

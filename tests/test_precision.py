@@ -218,3 +218,53 @@ def test_hf_engine_ignores_the_models_generation_config(tmp_path, name, temperat
     trainer = common.no_grad_logps(model, ro, range(len(ro)), tok.pad_token_id, temperature, token_budget=512)
     for r, eng in enumerate(tiny_mod.engine_logps(ro)):
         assert torch.allclose(trainer[r, : len(eng)], torch.tensor(eng), atol=1e-4), (name, r)
+
+
+def test_the_lm_heads_weight_is_cast_once_per_micro_batch(tiny_path):
+    """Under autocast (bf16 here on the CPU, as on CUDA) completion_logps casts the LM head's fp32 weight to the
+    compute dtype once per micro-batch, not once per chunk and again in each chunk's recompute in backward (issue
+    50: 7.5 GB of traffic a chunk at 1.5B); the log-probs and gradients are those of one chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = models.load_model(tiny_path, torch.device("cpu"), compute_dtype=torch.bfloat16)
+    head = model.get_output_embeddings().weight
+    tb = common.pad_batch(PROMPTS, COMPLETIONS, pad_id=0)
+
+    class HeadCasts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ == "_to_copy" and tuple(args[0].shape) == tuple(head.shape):
+                self.count += out.dtype == torch.bfloat16
+            return out
+
+    def per_chunk_autocast(model, batch, temperature, chunk_tokens, with_entropy):  # the code before issue 50
+        body, mask = model.model, batch.completion_mask.bool()
+        with common.autocast_context(model):
+            position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+            inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids)
+            hidden = body(**inputs, use_cache=False).last_hidden_state
+        T = batch.completion_ids.shape[1]
+        flat, targets, lps = hidden[:, -T - 1 : -1, :][mask], batch.completion_ids[mask], []
+        for start in range(0, flat.shape[0], chunk_tokens):
+            with common.autocast_context(model):
+                lp, _ = torch.utils.checkpoint.checkpoint(
+                    common.chunk_logp_entropy, flat[start : start + chunk_tokens], head, None,
+                    targets[start : start + chunk_tokens], temperature, None, use_reentrant=False,
+                )  # fmt: skip
+            lps.append(lp)
+        return torch.zeros(mask.shape).masked_scatter(mask, torch.cat(lps)), None
+
+    results = []
+    for logps_of in (common.completion_logps, per_chunk_autocast):
+        model.zero_grad(set_to_none=True)
+        with HeadCasts() as casts:
+            logp, _ = logps_of(model, tb, 1.0, 4, True)  # 4 chunks
+            (logp * tb.completion_mask).sum().backward()
+        results.append((casts.count, logp.detach(), head.grad.clone()))
+    (ours, logp, grad), (before, logp_before, grad_before) = results
+    assert ours == 1 and before == 8  # before: once per chunk forward, once per chunk recompute
+    assert torch.equal(logp, logp_before) and torch.allclose(grad, grad_before, rtol=0, atol=1e-7)

@@ -394,9 +394,9 @@ def test_the_captured_decode_step_never_waits_for_the_device(tiny_path, monkeypa
     seen, calls = set(), []
 
     class RecordedGraphs(engines._DecodeGraphs):
-        def __call__(self, b):
+        def __call__(self, b, length):
             with Record() as mode:
-                out = self.decode(b)
+                out = self.decode(b, length)
             seen.update(mode.ops)
             calls.append(b)
             return out
@@ -409,3 +409,127 @@ def test_the_captured_decode_step_never_waits_for_the_device(tiny_path, monkeypa
         len(calls) > 1 and len(set(calls)) > 1 and {"embedding", "index_copy_"} <= seen
     )  # the model ran, the cache was written
     assert not SYNCING_OPS & seen, sorted(SYNCING_OPS & seen)
+
+
+# ----- --dtype fp16 (issue 50)
+
+
+def test_static_engine_sizes_its_cache_from_its_copy_not_the_trainers_autocast(tiny_path):
+    """A trainer under --dtype fp16 (autocast_dtype fp16) with a bf16 copy: the static loop's KV cache and masks take
+    the copy's dtype (autocast is off there), so SDPA gets query, keys and values of one dtype; the same tokens as
+    HFEngine's bf16 copy. Before issue 50 the cache was fp16 and SDPA raised "Expected query, key, and value to have
+    the same dtype"."""
+    tok = models.load_tokenizer(tiny_path)
+    model = models.load_model(tiny_path, torch.device("cpu"))
+    model.rlvr_traits = common.ModelTraits(autocast_dtype=torch.float16)  # what load_model sets on CUDA for fp16
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]
+    for attention in ("sdpa", "eager"):
+        model.config._attn_implementation = attention
+        static = engines.StaticHFEngine(model, tok, return_logps=True, dtype=torch.bfloat16)
+        out = static.generate(prompts, 2, 6, 1.0, seed=4, progress=False)
+        assert len(out) == 2 * len(prompts) and all(len(c) >= 1 for c in tiny.completions(out)), attention
+    model.config._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize(
+    "engine_dtype,dtype,on_gpu,want",
+    [
+        ("auto", "fp16", True, torch.float16),  # the copy rounds as the trainer's fp16 autocast does
+        ("auto", "bf16", True, torch.bfloat16),
+        ("auto", "fp16", False, None),  # elsewhere: the trainer's own weights
+        ("bf16", "fp16", True, torch.bfloat16),  # asked for by name
+        ("trainer", "bf16", True, None),
+    ],
+)
+def test_the_engine_copy_takes_the_compute_dtype_under_auto(engine_dtype, dtype, on_gpu, want):
+    args = run.Args(engine="hf", engine_dtype=engine_dtype, dtype=dtype)
+    assert models.engine_copy_dtype(args, on_gpu) == want
+
+
+def test_grouped_query_attention_takes_any_memory_layout_sdpa_returns(monkeypatch):
+    """SDPA's memory-efficient kernel (chosen on A100, L40S, A10G, or with TORCH_CUDNN_SDPA_DEPRIORITIZED=1) returns
+    its output (b, Hkv, g, d) in a transposed memory layout, which a .view cannot merge into (b, H, 1, d) ("view
+    size is not compatible"): _gqa_sdpa reshapes it and gives the same output."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
+    mask = torch.rand(5, 1, 1, 40) < 0.7
+    mask[..., 0] = True
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_layout(*args, **kwargs):  # the same values, laid out as the mem-efficient kernel lays them out
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", transposed_layout)
+    ours, _ = engines._gqa_sdpa(module, q, k, v, mask, scaling=0.25)
+    assert ours.shape == theirs.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_the_samplers_resolution_is_that_of_float32_uniforms():
+    """The engines draw u from torch.rand (float32: multiples of 2^-24 in [0, 1)), so sample_from_logits resolves a
+    token's probability to 2^-24, not to the float64 cumulative sum's 1e-16: a last token of probability 1e-9 is
+    never drawn (no float32 u reaches past 1 - 1e-9), one of probability 2^-23 is drawn by the largest u."""
+    assert torch.rand(3).dtype == torch.float32 and torch.rand(3, generator=torch.Generator()).dtype == torch.float32
+    largest = torch.tensor([1.0 - 2**-24])  # the largest float32 below 1
+    assert largest.item() == float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))
+    for p_last, drawn in ((1e-9, 0), (2**-23, 1)):
+        logits = torch.tensor([[0.0, torch.tensor(p_last / (1 - p_last)).log().item()]], dtype=torch.float64)
+        assert engines.sample_from_logits(logits.float(), largest).item() == drawn, p_last
+    assert "2^-24" in engines.sample_from_logits.__doc__
+
+
+# ----- the static loop's costs (issue 50): keys read, graphs kept, a capture that fails
+
+
+def test_the_decode_step_reads_a_length_bucket_of_the_filled_keys():
+    """_length_bucket: the next power of two of the filled keys (at least 64), at most the cache; the cache a
+    multiple of 256 keys, so chunks whose prompts differ a little share it."""
+    assert [engines._length_bucket(f, 4352) for f in (1, 64, 65, 300, 513, 4097, 4352)] == [64, 64, 128, 512, 1024, 4352, 4352]
+    assert [engines._cache_length(k) for k in (1, 256, 257, 4100)] == [256, 256, 512, 4352]
+
+
+def test_length_buckets_and_kept_graphs_draw_the_same_tokens(tiny_path, monkeypatch):
+    """fp32 on the CPU: the static loop reading length buckets gives the tokens and log-probs of the loop reading
+    the whole cache and of the dynamic loop; chunks of one shape share one cache (allocated once, its stale keys
+    never seen by the next chunk), a chunk of another shape gets a new one, sleep() gives it back."""
+    allocations, buckets = [], set()
+    allocate, bucket = engines.StaticKV.allocate, engines._length_bucket
+    monkeypatch.setattr(engines, "_length_bucket", lambda f, n: buckets.add(bucket(f, n)) or bucket(f, n))
+    monkeypatch.setattr(engines.StaticKV, "allocate", lambda *a, **k: allocations.append(a[2:4]) or allocate(*a, **k))
+    dynamic, tok = _engine(tiny_path, return_logps=True, gen_batch_size=8)
+    static = engines.StaticHFEngine(dynamic.model, tok, gen_batch_size=8, return_logps=True)
+    dynamic.eos_ids = static.eos_ids = static.eos_ids | set(range(20, 23))  # rows end at varied steps
+    prompts = [common.format_prompt(tok, q) for q in PROMPTS]  # 4 prompts x 4 rows: two chunks of 8 rows
+    a = dynamic.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    b = static.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    assert len(allocations) == 1 and static.decode_state is not None  # both chunks on one cache, kept after
+    static.length_buckets = False  # every step reads the whole cache
+    c = static.generate(prompts, 4, 100, 1.0, seed=5, progress=False)
+    assert tiny.completions(a) == tiny.completions(b) == tiny.completions(c)
+    assert buckets == {64, 128}  # rows ran past the first bucket's 64 keys (prompts of 21 to 33 tokens)
+    for r in range(len(a)):
+        for other in (b, c):
+            assert torch.allclose(torch.tensor(a.engine_logp(r)), torch.tensor(other.engine_logp(r)), atol=1e-5)
+    static.generate(prompts[:1], 4, 100, 1.0, seed=5, progress=False)  # 4 rows: another shape, another cache
+    assert len(allocations) == 2
+    static.sleep()
+    assert static.decode_state is None
+
+
+def test_a_graph_capture_that_fails_stops_with_its_cause_and_the_flag_without_graphs():
+    """_DecodeGraphs on a device where capturing fails (here: no CUDA at all) raises one RunError line naming the
+    cause and --eager-decode; nothing falls back to eager by itself."""
+    from verifiers import RunError
+
+    graphs = engines._DecodeGraphs(lambda b, length: torch.zeros(b, 3), torch.device("cpu"))
+    graphs.cuda = True  # as on a GPU: the capture is attempted
+    with pytest.raises(RunError) as error:
+        graphs(2, 64)
+    message = str(error.value)
+    assert "could not capture its decode step as a CUDA graph" in message and "--eager-decode" in message
+    assert "\n" not in message and not graphs.graphs

@@ -4,6 +4,7 @@ aggregation and each method's loss, with uneven lengths, EOS inside, groups spli
 checkpointing, eager attention and a Qwen2 model. The HF engine's sampling loop (prompts prefilled once, ended rows
 out of the batch) against the exact distribution and transformers' generate: tests/test_sampler.py."""
 
+import os
 import tempfile
 
 import pytest
@@ -228,3 +229,31 @@ def test_rule_packs_short_completions_only(T, packs):
     ro = references.rollout_from_rows([[7] * 50] * 8, [[5] * T] * 8)
     micros = common.micro_batches(ro, range(8), 16384, _Shapes())
     assert bool(micros[0].packs) == packs
+
+
+def test_the_gpu_checks_packed_step_has_a_shape_the_rule_packs():
+    """bench/gpu_check.py's packed-0.5b step times packed against padded rows: at its shape (Qwen2.5-0.5B, 64 rows in
+    groups of 8, its token budget) the cost rule packs every group, so the step times two different paths. The
+    shape it had before issue 50 (a 128-token prompt, 512 completion tokens) packs nothing: attention over a pack of
+    8 x 512 tokens costs more than the 7 prompts it saves."""
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gpu_check
+    import memory_plan
+
+    qwen = types.SimpleNamespace(
+        config=types.SimpleNamespace(**memory_plan.SHAPES["qwen2.5-0.5b"], _attn_implementation="sdpa")
+    )
+    assert common.attention_break_even(qwen) == pytest.approx(8320.0)  # a / b of the rule for Qwen2.5-0.5B
+    rows, budget = gpu_check.SPEED_DEFAULTS["train_rows"], gpu_check.SPEED_DEFAULTS["micro_batch_tokens"]
+
+    def packed_groups(group_size, prompt_len, completion_len):
+        prompts = [[3 + g] * prompt_len for g in range(rows // group_size)]
+        ro = references.rollout_from_rows([prompts[r // group_size] for r in range(rows)], [[5] * completion_len] * rows)
+        micros = common.micro_batches(ro, range(rows), budget, qwen)
+        return [len(pack) for m in micros for pack in (m.packs or [])]
+
+    assert packed_groups(**gpu_check.PACKED_SHAPE) == [8] * (rows // 8)  # every group one pack of its 8 rows
+    assert packed_groups(group_size=8, prompt_len=128, completion_len=512) == []

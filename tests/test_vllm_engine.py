@@ -595,10 +595,22 @@ def test_constructor_under_torch_distributed(fake, monkeypatch):
 
 
 def test_constructor_world_size_1_process_group_is_unchanged(fake, monkeypatch):
-    _fake_world(monkeypatch, 1, 0)  # a plain one-process run
+    import common
+
+    monkeypatch.setattr(common, "_WORLD", common.World())  # a plain one-process run (no torchrun)
     make_engine()
     ((_, payload),) = calls(fake, "LLM.__init__")
     assert "distributed_executor_backend" not in payload["kwargs"] and payload["kwargs"]["seed"] == 7
+
+
+def test_constructor_under_torchrun_with_one_process(fake, monkeypatch):
+    """torchrun --nproc-per-node 1 is the distributed path (issue 50): vLLM joins it as under any world size."""
+    _fake_world(monkeypatch, 1, 0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    make_engine()
+    ((_, payload),) = calls(fake, "LLM.__init__")
+    assert payload["kwargs"]["distributed_executor_backend"] == "external_launcher" and payload["kwargs"]["seed"] == 7
 
 
 def test_constructor_under_torch_distributed_needs_launcher_env(fake, monkeypatch):
