@@ -2,6 +2,7 @@
 
     python bench/memory_plan.py                          # 0.5B, 1.5B, 7B on 1 and 8 GPUs of 80 GB: the table
     python bench/memory_plan.py --config path/to/config.json --gpus 8 --gradient-checkpointing --micro-batch-tokens 8192
+    python bench/memory_plan.py --recipe recipes/grpo_simplerl_qwen2.5-1.5b.yaml   # the GPUs its default needs
 
 Per GPU, GiB (2^30 bytes). P parameters, W processes (FSDP2 shards the trainer's state over them), T tokens of one
 micro-batch, L layers, H hidden, I intermediate, d head dim, Hq / Hkv heads, V vocabulary:
@@ -151,6 +152,70 @@ def totals(p: dict) -> dict[str, float]:
     return {phase: sum(items.values()) for phase, items in p.items() if isinstance(items, dict)}
 
 
+# ----- a recipe's default on GPUs of one size without vLLM (the HF engine): what its header states
+
+PROMPT_TOKENS = 512  # a recipe's prompt in the planned context (its longest may be more: the batch then shrinks)
+
+
+def recipe_flags(path: str) -> dict:
+    """The recipe's model shape and the flags the plan reads, each at the recipe's value or the scripts' default on a
+    GPU (--micro-batch-tokens 0: 16384, run.resolve_micro_batch_tokens); the context is --max-new-tokens plus
+    PROMPT_TOKENS. KeyError for a model of no known shape."""
+    import yaml
+
+    with open(path) as f:
+        recipe = yaml.safe_load(f)
+    name = recipe["model"].lower()
+    size = next(s for s in ("0.5b", "1.5b", "7b") if f"-{s}" in name)
+    return dict(
+        shape=f"qwen2.5-{size}",
+        lora=recipe.get("lora_rank", 0) > 0,
+        micro_batch_tokens=recipe.get("micro_batch_tokens", 0) or 16384,
+        logp_chunk_tokens=recipe.get("logp_chunk_tokens", 256),
+        gradient_checkpointing=bool(recipe.get("gradient_checkpointing", False)),
+        gen_batch_size=recipe.get("gen_batch_size", 0),
+        engine_dtype=recipe.get("engine_dtype", "auto"),
+        max_model_len=recipe.get("max_new_tokens", 1024) + PROMPT_TOKENS,
+    )
+
+
+def recipe_fit(path: str, gpu_gb: float = 80.0, most_gpus: int = 8) -> dict:
+    """The fewest GPUs of `gpu_gb` (1, 2, 4, 8) on which the recipe's default fits without vLLM (the trainer's update
+    and the HF engine's rollout each within the GPU's bytes), with that plan's peaks: {"gpus", "update_gib",
+    "rollout_gib", "rows"}; gpus None where none fits. A LoRA recipe is not planned here (docs/lora.md): None."""
+    flags = recipe_flags(path)
+    if flags.pop("lora"):
+        return None
+    cfg = SHAPES[flags.pop("shape")]
+    gpus = 1
+    while gpus <= most_gpus:
+        p = plan(cfg, gpus=gpus, gpu_gb=gpu_gb, engine="hf", **flags)
+        t = totals(p)
+        if max(t["update"], t["rollout (HF engine)"]) <= gpu_gb * 1e9:
+            break
+        gpus *= 2
+    fits = gpus <= most_gpus
+    return {
+        "gpus": gpus if fits else None,
+        "update_gib": round(t["update"] / GIB, 1),
+        "rollout_gib": round(t["rollout (HF engine)"] / GIB, 1),
+        "rows": p["gen_batch_size"],
+    }
+
+
+def recipe_memory_line(path: str, gpu_gb: float = 80.0) -> str:
+    """The header line a recipe carries (tests/test_recipes.py checks it against recipe_fit)."""
+    fit = recipe_fit(path, gpu_gb)
+    where = f"bench/memory_plan.py --recipe {os.path.relpath(path, os.path.dirname(os.path.dirname(path)))}"
+    plan_line = f"update {fit['update_gib']} GiB, rollout {fit['rollout_gib']} GiB at {fit['rows']} rows a chunk"
+    if fit["gpus"] == 1:
+        return f"# Memory: fits one {gpu_gb:g} GB GPU without vLLM ({where}): {plan_line}."
+    return (
+        f"# Memory: needs {fit['gpus']} GPUs of {gpu_gb:g} GB without vLLM (torchrun, FSDP2; {where}): per GPU "
+        f"{plan_line}."
+    )
+
+
 def table(configs: dict, gpus_list=(1, 8), **flags) -> str:
     lines = [
         "| model | GPUs | update (trainer) | rollout | host peak (node) | KV tokens (vLLM) or rows generated (HF) |",
@@ -184,7 +249,12 @@ def main() -> None:
     ap.add_argument("--gen-batch-size", type=int, default=0, help="0: what a default run picks from the memory")
     ap.add_argument("--engine-dtype", choices=["auto", "bf16", "trainer"], default="auto")
     ap.add_argument("--json", action="store_true", help="print every item of every phase as JSON")
+    ap.add_argument("--recipe", default="", help="a recipe: the GPUs its default needs without vLLM (its header line)")
     a = ap.parse_args()
+    if a.recipe:
+        fit = recipe_fit(a.recipe, a.gpu_gb)
+        print(recipe_memory_line(a.recipe, a.gpu_gb) if fit else f"{a.recipe}: a LoRA recipe (docs/lora.md, its header)")
+        return
     configs = SHAPES
     if a.config:
         with open(a.config) as f:

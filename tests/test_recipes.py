@@ -65,3 +65,23 @@ def test_recipes_are_listed_in_their_readme():
         text = f.read()
     for path in RECIPES:
         assert os.path.basename(path) in text, path
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
+def test_recipe_says_the_memory_its_default_needs(path):
+    """Every header states what the default needs without vLLM: one 80 GB GPU, or how many under torchrun (the line
+    bench/memory_plan.py --recipe prints, so a change of the plan or the recipe shows here); a LoRA recipe states its
+    own (docs/lora.md)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import memory_plan
+
+    with open(path) as f:
+        stated = [line.rstrip("\n") for line in f if line.startswith("# Memory")]
+    assert len(stated) == 1, f"{os.path.basename(path)}: no '# Memory' line in the header"
+    if memory_plan.recipe_fit(path) is None:  # LoRA: not planned by memory_plan
+        assert "GB" in stated[0], stated
+        return
+    assert stated[0] == memory_plan.recipe_memory_line(path), f"update the header: {memory_plan.recipe_memory_line(path)}"
+    assert memory_plan.recipe_fit(path)["gpus"] is not None, "the recipe fits no node of 8 GPUs of 80 GB"
