@@ -210,10 +210,7 @@ def recipe_memory_line(path: str, gpu_gb: float = 80.0) -> str:
     plan_line = f"update {fit['update_gib']} GiB, rollout {fit['rollout_gib']} GiB at {fit['rows']} rows a chunk"
     if fit["gpus"] == 1:
         return f"# Memory: fits one {gpu_gb:g} GB GPU without vLLM ({where}): {plan_line}."
-    return (
-        f"# Memory: needs {fit['gpus']} GPUs of {gpu_gb:g} GB without vLLM (torchrun, FSDP2; {where}): per GPU "
-        f"{plan_line}."
-    )
+    return f"# Memory: needs {fit['gpus']} GPUs of {gpu_gb:g} GB without vLLM (torchrun, FSDP2; {where}): per GPU {plan_line}."
 
 
 def table(configs: dict, gpus_list=(1, 8), **flags) -> str:
