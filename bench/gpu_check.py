@@ -73,8 +73,11 @@ TINY = dict(SMALL, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 SPEED_DEFAULTS = dict(
     model="", gen_prompts=16, num_generations=8, gen_tokens=256, gen_batch_size=128, train_rows=64, prompt_len=128,
     completion_len=512, micro_batch_tokens=16384, logp_chunk_tokens=4096, gradient_checkpointing=False, repeats=2,
-    compile=False, group_size=1, compare_packing=False, engines=[],
+    compile=False, group_size=1, compare_packing=False, engines=[], ragged=False,
 )  # fmt: skip
+# what a run of the scripts does beside the headline shape (4,096-token head chunks, rows of one length, no
+# checkpointing): their --logp-chunk-tokens 256 and rows of unequal length (padding, masks); checkpointing too at 1.5B
+RUN_DEFAULTS = dict(logp_chunk_tokens=256, ragged=True)
 # packed-0.5b: groups of 8 rows whose prompt is two thirds of a row, a shape micro_batches' cost rule packs (every
 # group in packs of 8; a 128-token prompt before 512 completion tokens packs nothing at 0.5B: docs/performance.md)
 PACKED_SHAPE = dict(group_size=8, prompt_len=512, completion_len=256)
@@ -521,10 +524,12 @@ def main() -> int:
 
     speed("gen-0.5b", small, engines=["static", "hf", "generate"], train_rows=0)
     speed("step-0.5b", small)
+    speed("step-0.5b-run-defaults", small, **RUN_DEFAULTS)
     packed_shape = PACKED_SHAPE if not cpu else dict(group_size=8)  # the dry run: its tiny rows pack as they are
     speed("packed-0.5b", small, compare_packing=True, **packed_shape)
     speed("step-1.5b", big)
     speed("step-1.5b-ckpt", big, gradient_checkpointing=True)
+    speed("step-1.5b-ckpt-run-defaults", big, gradient_checkpointing=True, **RUN_DEFAULTS)
     speed("compile-1.5b", big, compile=True)
 
     check.write()

@@ -190,7 +190,13 @@ def training_figures(model, tokenizer, a, peak_tflops: float | None, packed: boo
     rows, G = a.train_rows, max(1, a.group_size)
     prompts = [torch.randint(0, vocab - 2, (a.prompt_len,), generator=gen).tolist() for _ in range(-(-rows // G))]
     prompt_ids = [prompts[r // G] for r in range(rows)]  # G consecutive rows share a prompt
-    completion_ids = [torch.randint(0, vocab - 2, (a.completion_len,), generator=gen).tolist() for _ in range(rows)]
+    # --ragged: completions of unequal length, uniform in [completion_len / 4, completion_len], as a rollout's are
+    # (padded rows, masks); else every row completion_len tokens (the headline shape: no padding)
+    lengths = [a.completion_len] * rows
+    if getattr(a, "ragged", False):
+        low = max(1, a.completion_len // 4)
+        lengths = torch.randint(low, a.completion_len + 1, (rows,), generator=gen).tolist()
+    completion_ids = [torch.randint(0, vocab - 2, (n,), generator=gen).tolist() for n in lengths]
     batch = references.rollout_from_rows(prompt_ids, completion_ids)
     advantages = torch.randn(rows, generator=gen)
     optimizer, _ = models.make_optimizer(model, run.Args(learning_rate=1e-6, weight_decay=0.0, warmup_updates=1))
@@ -219,14 +225,16 @@ def training_figures(model, tokenizer, a, peak_tflops: float | None, packed: boo
             fwd_bwd.append(t1 - t0)
             opt_s.append(t2 - t1)
     t_fb = statistics.median(fwd_bwd)
-    flops = train_flops(model, a.prompt_len, a.completion_len, rows)  # as if padded: packing saves compute
-    train_tokens = rows * (a.prompt_len + a.completion_len)
+    flops = sum(train_flops(model, a.prompt_len, n, 1) for n in lengths)  # the rows' tokens: padding is not counted
+    train_tokens = rows * a.prompt_len + sum(lengths)
     out = dict(
         train_rows=rows,
         group_size=G,
         packed_groups=sum(len(m.packs or []) for m in micro),
         micro_batches=len(micro),
-        row_tokens=a.prompt_len + a.completion_len,
+        row_tokens=a.prompt_len + max(lengths),
+        ragged=bool(getattr(a, "ragged", False)),
+        logp_chunk_tokens=a.logp_chunk_tokens,
         fwd_bwd_s=round(t_fb, 3),
         fwd_bwd_s_min=round(min(fwd_bwd), 3),
         fwd_bwd_s_max=round(max(fwd_bwd), 3),
@@ -308,6 +316,9 @@ def main():
     p.add_argument("--compile", action="store_true", help="models.compile_model: what --compile does in the scripts")
     p.add_argument("--group-size", type=int, default=1, help="training rows sharing one prompt (8: a GRPO group)")
     p.add_argument("--compare-packing", action="store_true", help="time the step padded too (padded_* keys)")
+    p.add_argument(
+        "--ragged", action="store_true", help="completions of unequal length (1/4 to all of --completion-len): masks"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 dense peak; detected for known GPUs")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_step.json (default $OUT)")

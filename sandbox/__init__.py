@@ -234,29 +234,50 @@ def _detect_sandbox_mode() -> str:
 
 # ----- test code the judge can hold to its rule (every call of the program made, whatever the earlier checks gave)
 
-_STRING_RUNNERS = ("eval", "exec")
+_STRING_RUNNERS = ("eval", "exec", "compile")
+_BUILTINS_NAMES = ("builtins", "__builtins__")
 
 
 @functools.lru_cache(maxsize=4096)
 def unjudgeable_test(sources: tuple[str, ...]) -> str | None:
     """Why the judge cannot keep the program from learning which check failed, or None: a problem's test code that
     runs a string (eval, exec, compile: the judge rewrites the test's own expressions, never a string's, so an `and`
-    chain in one would stop at its first failed check). Such a problem is refused, in one line."""
+    chain in one would stop at its first failed check). Such a problem is refused, in one line. Found: the builtin's
+    name (not one imported from a module: `from re import compile`), `builtins.eval`, `getattr(x, "eval")` and a
+    lookup by the name (`vars(__builtins__)["exec"]`); a string that merely holds the word, a method of that name
+    (`expr.eval()`) are not."""
     for source in sources:
         try:
             tree = ast.parse(source)
         except SyntaxError:  # fails every run alike: no feedback
             continue
+        imported = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module not in _BUILTINS_NAMES
+            for alias in node.names
+        }
         for node in ast.walk(tree):
             name = None
-            if isinstance(node, ast.Name) and node.id in (*_STRING_RUNNERS, "compile"):
+            if isinstance(node, ast.Name) and node.id in _STRING_RUNNERS and node.id not in imported:
                 name = node.id
+            elif isinstance(node, ast.ImportFrom) and node.module in _BUILTINS_NAMES:
+                name = next((a.name for a in node.names if a.name in _STRING_RUNNERS), None)  # from builtins import eval
             elif isinstance(node, ast.Attribute) and node.attr in _STRING_RUNNERS:
-                name = node.attr  # builtins.eval
-            elif isinstance(node, ast.Attribute) and node.attr == "compile" and getattr(node.value, "id", "") == "builtins":
-                name = "compile"  # re.compile is not
-            elif isinstance(node, ast.Constant) and node.value in _STRING_RUNNERS:
-                name = node.value  # getattr(builtins, "eval"), __builtins__["exec"]
+                if isinstance(node.value, ast.Name) and node.value.id in _BUILTINS_NAMES:
+                    name = node.attr  # builtins.eval
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr" and len(node.args) >= 2:
+                looked_up = node.args[1]
+                if isinstance(looked_up, ast.Constant) and looked_up.value in _STRING_RUNNERS:
+                    name = looked_up.value  # getattr(builtins, "eval")
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                namespace = node.value  # __builtins__["exec"], vars(builtins)["eval"], builtins.__dict__["eval"]
+                if node.slice.value in _STRING_RUNNERS and (
+                    isinstance(node.value, ast.Call)
+                    or getattr(namespace, "id", "") in _BUILTINS_NAMES
+                    or getattr(namespace, "attr", "") == "__dict__"
+                ):
+                    name = node.slice.value
             if name is not None:
                 return f"its test code runs a string through {name} (line {getattr(node, 'lineno', '?')})"
     return None

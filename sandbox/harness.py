@@ -804,6 +804,8 @@ class WholeEvaluation:
         """`function(argument)`, the argument evaluated after the function as Python does. When the function is the
         builtin all or any, however it was reached (`every = all`, `builtins.all`, `__builtins__['any']`), every item
         is drawn first (`whole_items`: the captures of a generator's items, else None)."""
+        if getattr(function, "__name__", "") == "__call__":  # all.__call__(gen): the builtin it is bound to
+            function = getattr(function, "__self__", function)
         if function is builtins.all or function is builtins.any:
             if whole_items is not None:
                 return self.every(function, whole_items(), True)
@@ -910,10 +912,18 @@ def whole_expressions(tree, wrap_top_level):
 
         def visit_Assign(self, node):  # `check = lambda candidate: ...`: its body is the guarded code
             self.generic_visit(node)
-            if not self.active and not wrap_top_level and isinstance(node.value, ast.Lambda):
-                if any(isinstance(target, ast.Name) and target.id == "check" for target in node.targets):
-                    node.value = self.scoped(node.value, True, False)
+            if self.active or wrap_top_level:
+                return node
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                pairs = [(target, node.value)]
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):  # check, x = lambda c: ..., 0
+                    pairs = list(zip(target.elts, node.value.elts))
+                for name, value in pairs:
+                    if isinstance(name, ast.Name) and name.id == "check" and isinstance(value, ast.Lambda):
+                        self.scoped(value, True, False)  # rewrites the lambda's body in place
             return node
+
+        visit_AnnAssign = visit_Assign  # check: object = lambda candidate: ...
 
         def visit_Call(self, node):  # one argument: all/any are known at run time, by what the function is
             self.generic_visit(node)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow  # the GPU check's dry run: left out of the quick 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = [
     "model", "grpo", "gapo", "mugrpo", "codapo", "resume", "eval-only", "precision", "torchrun", "torchrun-resume",
-    "gen-0.5b", "step-0.5b", "packed-0.5b", "step-1.5b", "step-1.5b-ckpt", "compile-1.5b",
+    "gen-0.5b", "step-0.5b", "step-0.5b-run-defaults", "packed-0.5b", "step-1.5b", "step-1.5b-ckpt",
+    "step-1.5b-ckpt-run-defaults", "compile-1.5b",
 ]  # fmt: skip
 
 
@@ -42,6 +43,9 @@ def test_gpu_check_dry_run_passes_every_step(tmp_path):
     assert by["gen-0.5b"]["gen_tokens_static"] == by["gen-0.5b"]["gen_tokens_generate"] > 0  # the same work
     assert by["packed-0.5b"]["packed_groups"] > 0 and by["packed-0.5b"]["padded_packed_groups"] == 0
     assert by["step-0.5b"]["train_peak_gb_planned"] is not None  # bench/memory_plan.py's estimate beside the peak
+    # what a run does beside the headline shape (issue 50): the scripts' head chunks, rows of unequal length
+    assert by["step-0.5b-run-defaults"]["ragged"] and by["step-0.5b-run-defaults"]["logp_chunk_tokens"] == 256
+    assert not by["step-0.5b"]["ragged"] and by["step-1.5b-ckpt-run-defaults"]["gradient_checkpointing"]
     summary = (out / "summary.md").read_text()
     assert f"{len(STEPS)} of {len(STEPS)} steps passed" in summary and "| torchrun | pass |" in summary
     assert (out / "logs.txt").stat().st_size > 0

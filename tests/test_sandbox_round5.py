@@ -297,6 +297,7 @@ ONE_EXPRESSION = {
     "getattr": f"assert getattr(__builtins__, 'all')({GENERATOR})",
     "vars": f"assert vars(__builtins__)['all']({GENERATOR})",
     "map": "test = any\nassert not test(map(lambda x: add(x, 1) != x + 1, (1, 2, 3)))",
+    "call": f"assert all.__call__({GENERATOR})",  # a review's find: the bound __call__ of the builtin
 }
 
 
@@ -318,10 +319,19 @@ def test_attack_no_feedback_through_all_and_any_however_reached(name, kind):
     assert V.code_verdict(RIGHT, problem, timeout=10.0).status == "passed"
 
 
-def test_attack_no_feedback_inside_a_lambda_check():
-    """A `check` written as a lambda was not guarded: its `and` chain stopped at the first wrong answer."""
+LAMBDA_CHECKS = {
+    "plain": "check = lambda candidate: ({chain}) or 1 / 0",
+    "annotated": "check: object = lambda candidate: ({chain}) or 1 / 0",
+    "tuple": "check, unused = (lambda candidate: ({chain}) or 1 / 0), 0",
+}
+
+
+@pytest.mark.parametrize("form", list(LAMBDA_CHECKS))
+def test_attack_no_feedback_inside_a_lambda_check(form):
+    """A `check` written as a lambda was not guarded: its `and` chain stopped at the first wrong answer (the
+    annotated and tuple forms: a review's find, after the plain one was closed)."""
     chain = "candidate(1, 1) == 2 and candidate(2, 1) == 3 and candidate(3, 1) == 4"
-    problem = dict(ADD, test=f"check = lambda candidate: ({chain}) or 1 / 0\n")
+    problem = dict(ADD, test=LAMBDA_CHECKS[form].format(chain=chain) + "\n")
     verdict = V.code_verdict(COUNTING, problem, timeout=10.0)
     assert verdict.status == "failed", verdict
     assert "call 3 with 3" in verdict.stderr_tail, verdict.stderr_tail
@@ -330,6 +340,7 @@ def test_attack_no_feedback_inside_a_lambda_check():
 
 STRING_TESTS = {
     "eval": "assert eval('add(1, 1) == 2 and add(2, 1) == 3')",
+    "imported": "from builtins import eval as run\nassert run('add(1, 1) == 2 and add(2, 1) == 3')",
     "exec": "exec('assert add(1, 1) == 2 and add(2, 1) == 3')",
     "module": "import builtins\nassert builtins.eval('add(1, 1) == 2 and add(2, 1) == 3')",
     "lookup": "assert getattr(__builtins__, 'eval')('add(1, 1) == 2 and add(2, 1) == 3')",
@@ -351,6 +362,24 @@ def test_a_test_that_runs_a_string_is_refused_in_one_line(name):
         V.code_verdict(RIGHT, humaneval, timeout=10.0)
     fine = {"test_list": ["import re", "assert re.compile('a+').match('aa') and add(1, 1) == 2"]}
     assert V.code_verdict(RIGHT, fine, timeout=10.0).status == "passed"
+
+
+HONEST_TESTS = [
+    "assert reverse_word('eval') == 'lave'",
+    "assert sorted(['exec', 'ls']) == ['exec', 'ls']",
+    "assert {'exec': False}['exec'] is False",
+    "from re import compile\nassert compile('a+').match('aa')",
+    "import re\nassert re.compile('a+').match('aa')",
+    "import ast\nassert ast.literal_eval('[1]') == [1]",
+    "class Expr:\n    def eval(self):\n        return 3\nassert Expr().eval() == 3",
+]
+
+
+@pytest.mark.parametrize("source", HONEST_TESTS)
+def test_a_test_that_only_names_eval_is_not_refused(source):
+    """The word in a string, a dict key, `re.compile` (also imported by name), a method named eval: none runs a
+    string, none is refused (a review found the first version refused several)."""
+    assert S.unjudgeable_test((source,)) is None
 
 
 def test_a_dataset_loses_the_problems_it_cannot_judge_with_one_warning(capsys):
