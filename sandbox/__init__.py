@@ -77,7 +77,8 @@ SANDBOX_MESSAGE_BYTES = 16 << 20  # the largest value a program's function may r
 # Limits the kernel also charges to the trainer's user on the host (all runs and the trainer share them): per run
 SANDBOX_SIGNALS_QUEUED = 64  # RLIMIT_SIGPENDING (the host's default for a user is ~96,000)
 SANDBOX_MESSAGE_QUEUE_BYTES = 0  # RLIMIT_MSGQUEUE: no POSIX message queue (a user's 800 KB on the host)
-SANDBOX_INOTIFY_INSTANCES = 2  # the run's user namespace's max_inotify_instances (a user's 128 on the host)
+SANDBOX_INOTIFY_INSTANCES = 2  # the run's user namespace's max_inotify_instances (a user's 128 on the host)...
+INOTIFY_RESERVE = 64  # ...at most an equal share of what the user's host limit leaves beside this many (inotify_share)
 SANDBOX_INOTIFY_WATCHES = 256  # ...and max_inotify_watches
 SANDBOX_CPUS = 1.0  # the CPU quota of a whole run, in cores (cpu.cfs_quota_us on v1, cpu.max on v2)
 SANDBOX_CPU_PERIOD_US = 100_000
@@ -132,6 +133,18 @@ class SandboxResult:
 SANDBOX_RUNS_ENV = "VERIFIERS_SANDBOX_RUNS"  # runs at once on this node, all trainer processes together
 
 
+def inotify_share() -> int:
+    """inotify instances a run may make: SANDBOX_INOTIFY_INSTANCES, or fewer (0 on a node of many cores), so that the
+    runs at once together leave INOTIFY_RESERVE of the trainer's user's host limit (fs.inotify.max_user_instances:
+    each run's instances count there too) to the trainer and that user's other processes."""
+    try:
+        with open("/proc/sys/fs/inotify/max_user_instances") as f:
+            host = int(f.read())
+    except (OSError, ValueError):
+        host = 128  # the kernel's default
+    return max(0, min(SANDBOX_INOTIFY_INSTANCES, (host - INOTIFY_RESERVE) // runs_at_once()))
+
+
 def runs_at_once() -> int:
     """How many runs may go on at once on this node, shared by every trainer process of this user on it (the ranks
     of a torchrun): one per core of this process's affinity, or fewer ($VERIFIERS_SANDBOX_RUNS)."""
@@ -153,7 +166,7 @@ def _after_fork_in_child() -> None:
     runs must never share a cgroup; closing the inherited locks leaves them the parent's); its own slots are
     named after an instance id of its own."""
     global _sandbox_slots, _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made, _cgroup_slot_names
-    global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id
+    global _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused, _instance_id, _throttle_lock, _lifted_by_owner
     _sandbox_slots = threading.BoundedSemaphore(num_cores())
     for fd in _node_core_locks:  # the parent's runs' permits: released by the parent, never by the child
         os.close(fd)
@@ -167,6 +180,7 @@ def _after_fork_in_child() -> None:
     _cgroup_pool, _cgroup_waiting, _cgroup_live, _cgroup_slots_made = [], [], [], 0
     _cgroup_pool_ready, _cgroup_watcher, _cgroup_refused = threading.Condition(threading.Lock()), False, False
     _cgroup_slot_names, _instance_id = itertools.count(), secrets.token_hex(8)
+    _throttle_lock, _lifted_by_owner = threading.Lock(), set()
 
 
 _fork_hook_registered = False
@@ -667,8 +681,8 @@ def _return_cgroups(slot: _Slot) -> None:
     while its processes live. Called only once the run's stage 0 has been reaped (it reaps every process of the
     run first), so a slot that is not empty here holds processes that cannot die yet (uninterruptible I/O)."""
     global _cgroup_watcher
-    _set_throttle(slot, lifted=True)  # what the run queued is read now, not at 1,000 requests/s after it is over
-    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in slot.folders) and _set_throttle(slot, lifted=False):
+    _lift_own_throttle(slot)  # what the run queued is read now, not at 1,000 requests/s after it is over
+    if all(_empty_cgroup(path, SLOT_EMPTY_WAIT_S) for path in slot.folders) and _restore_own_throttle(slot):
         _reset_counters(slot)
         with _cgroup_pool_ready:
             _cgroup_pool.append(slot)
@@ -696,7 +710,7 @@ def _watch_waiting_slots() -> None:
                 _cgroup_watcher = False
                 return
         for slot in waiting:
-            if all(_empty_cgroup(path, 0.0) for path in slot.folders) and _set_throttle(slot, lifted=False):
+            if all(_empty_cgroup(path, 0.0) for path in slot.folders) and _restore_own_throttle(slot):
                 _reset_counters(slot)
                 with _cgroup_pool_ready:
                     if slot in _cgroup_waiting:
@@ -897,7 +911,9 @@ def _remove_cgroup(path: str, wait_s: float = 1.0) -> None:
 # one folder of lock files, `cpu<n>` for each CPU n of its affinity (ranks that share cores share files, ranks pinned
 # to cores of their own do not), so the ranks of a torchrun together run at most one run per core
 
-NODE_CORE_POLL_S = 0.005  # how often a run waiting for a free core looks again
+NODE_CORE_POLL_S = 0.005  # how often the run at the head of the node's queue looks for a free permit again
+NODE_QUEUE_POLL_S = 0.02  # how often a run behind it tries the queue's lock (one system call)
+NODE_CORE_WAIT_S = 600.0  # a run that has no permit after this long is "error" (reward None): never a silent hang
 _node_core_locks: set[int] = set()  # the lock files this process's runs hold (a forked child closes its copies)
 
 
@@ -911,25 +927,53 @@ def _node_core_folder() -> str:
     return path
 
 
+def _try_node_cores(folder: str, permits: list[int]) -> int | None:
+    """A free permit's locked file, or None: one sweep over `cpu<n>` of the CPUs in `permits`, from a random one."""
+    first = secrets.randbelow(len(permits))
+    for cpu in permits[first:] + permits[:first]:
+        fd = os.open(os.path.join(folder, f"cpu{cpu}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return fd
+    return None
+
+
 def _take_node_core() -> int:
-    """One of the node's run permits, held until `_give_node_core`: an exclusive flock on `cpu<n>`, the first free
-    of this process's first runs_at_once() CPUs (a fresh open file each time: two threads of one process never
-    share a lock), waited for. The lock goes with the process, so a trainer that dies frees its permits. OSError:
-    the folder cannot be used."""
+    """One of the node's run permits, held until `_give_node_core`: an exclusive flock on `cpu<n>`, a free one of
+    this process's first runs_at_once() CPUs (a fresh open file each time: two threads of one process never share a
+    lock). A run that finds none waits in the node's queue: the holder of the lock on `queue` sweeps the permits every
+    NODE_CORE_POLL_S, the others only try that lock (so the waiting costs one sweep at a time per node, not one per
+    waiter). The locks go with the process, so a trainer that dies frees its permits. OSError: the folder cannot be
+    used, or no permit within NODE_CORE_WAIT_S."""
     folder = _node_core_folder()
     permits = cpus()[: runs_at_once()]
-    first = secrets.randbelow(len(permits))
-    while True:
-        for cpu in permits[first:] + permits[:first]:
-            fd = os.open(os.path.join(folder, f"cpu{cpu}"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            _node_core_locks.add(fd)
-            return fd
-        time.sleep(NODE_CORE_POLL_S)
+    fd = _try_node_cores(folder, permits)
+    if fd is None:
+        deadline = time.monotonic() + NODE_CORE_WAIT_S
+        queue = os.open(os.path.join(folder, "queue"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            while fd is None:
+                try:
+                    fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # another run is at the head
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(NODE_QUEUE_POLL_S)
+                    continue
+                while fd is None and time.monotonic() <= deadline:  # at the head: sweep until a permit is free
+                    fd = _try_node_cores(folder, permits)
+                    if fd is None:
+                        time.sleep(NODE_CORE_POLL_S)
+                break
+        finally:
+            os.close(queue)  # this process's only descriptor of it: the head's lock goes with it
+        if fd is None:
+            raise OSError(f"no run permit of this node free within {NODE_CORE_WAIT_S:.0f} s ({folder})")
+    _node_core_locks.add(fd)
+    return fd
 
 
 def _give_node_core(fd: int) -> None:
@@ -1201,12 +1245,58 @@ def _stop(proc: subprocess.Popen, slot: _Slot | None, run_id: str) -> bool:
     stage 0 has exited. After STOP_GRACE_S the trainer kills every other process of the run itself (stage 0 still
     reaps them); False if stage 0 is still there after that (a process that cannot die yet, in uninterruptible
     I/O): the caller hands the run to a thread that waits for it, its slot counted all the while."""
-    if slot is not None:  # a process that waits for a page behind the run's queued reads can die once they are read
-        _set_throttle(slot, lifted=True)
-    if _wait_exit(proc, STOP_GRACE_S):
-        return True
+    if slot is None:
+        if _wait_exit(proc, STOP_GRACE_S):
+            return True
+    else:  # a process that waits for a page behind the run's queued reads can die once they are read
+        _lift_own_throttle(slot)
+        if _wait_exit(proc, NEIGHBOUR_LIFT_AFTER_S):
+            return True
+        # still there: maybe behind the queue of a run beside it (a page that run is reading): every other slot of
+        # this trainer unthrottled until this run is gone (at most the rest of the grace), then limited again
+        lifted = _lift_other_throttles(slot)
+        try:
+            if _wait_exit(proc, STOP_GRACE_S - NEIGHBOUR_LIFT_AFTER_S):
+                return True
+        finally:
+            _restore_other_throttles(lifted)
     _kill_run(slot, run_id, spare=proc.pid)
     return _wait_exit(proc, 1.0)
+
+
+NEIGHBOUR_LIFT_AFTER_S = 0.5  # a run not gone this long after its own throttle was lifted: the others' are lifted too
+_throttle_lock = threading.Lock()
+_lifted_by_owner: set[int] = set()  # id() of the slots whose own run is over and lifted them (_return_cgroups sets them)
+
+
+def _lift_own_throttle(slot: _Slot) -> None:
+    with _throttle_lock:
+        _lifted_by_owner.add(id(slot))
+        _set_throttle(slot, lifted=True)
+
+
+def _restore_own_throttle(slot: _Slot) -> bool:
+    """The slot's read limit set again before it serves; False if it could not be (the slot stays out)."""
+    with _throttle_lock:
+        if not _set_throttle(slot, lifted=False):
+            return False
+        _lifted_by_owner.discard(id(slot))
+        return True
+
+
+def _lift_other_throttles(own: _Slot) -> list[_Slot]:
+    with _throttle_lock:
+        others = [slot for slot in _cgroup_live if slot is not own and id(slot) not in _lifted_by_owner]
+        for slot in others:
+            _set_throttle(slot, lifted=True)
+    return others
+
+
+def _restore_other_throttles(slots: list[_Slot]) -> None:
+    with _throttle_lock:
+        for slot in slots:
+            if id(slot) not in _lifted_by_owner and slot in _cgroup_live:  # its owner's lift stays
+                _set_throttle(slot, lifted=False)
 
 
 def _finish_late(proc: subprocess.Popen, slot: _Slot | None, folder: str | None) -> None:
@@ -1268,7 +1358,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
                 message=SANDBOX_MESSAGE_BYTES,
                 signals_queued=SANDBOX_SIGNALS_QUEUED,
                 message_queue_bytes=SANDBOX_MESSAGE_QUEUE_BYTES,
-                inotify_instances=SANDBOX_INOTIFY_INSTANCES,
+                inotify_instances=inotify_share(),
                 inotify_watches=SANDBOX_INOTIFY_WATCHES,
                 tmp_bytes=SANDBOX_TMP_BYTES,
                 tmp_inodes=SANDBOX_TMP_INODES,

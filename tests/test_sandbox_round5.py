@@ -147,6 +147,62 @@ def test_attack_a_read_queue_does_not_outlive_the_run(mode, uncached_files):
     assert [v.status for v in honest] == ["passed"] * len(honest), honest
 
 
+# Run B queues ~320 MB of reads in its own slot (40 processes, 8 MiB each, one uncached file each); run A, beside it,
+# faults a page of B's last file through /proc/self/mem: A's child waits behind B's queue, not its own.
+NEIGHBOUR_QUEUE = r"""
+import os, time
+for k in range(len(FILES)):
+    if os.fork() == 0:
+        os.pread(os.open(FILES[k], os.O_RDONLY), 8 << 20, 0)
+        os._exit(0)
+time.sleep(30)
+"""
+BEHIND_THE_NEIGHBOUR = r"""
+import ctypes, mmap, os, time
+time.sleep(0.3)
+if os.fork() == 0:
+    faulted = mmap.mmap(os.open(FILES[-1], os.O_RDONLY), 0, access=mmap.ACCESS_COPY)
+    mem = os.open("/proc/self/mem", os.O_RDONLY)
+    os.pread(mem, 1, ctypes.addressof(ctypes.c_char.from_buffer(faulted)) + (6 << 20))
+    time.sleep(60)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", S.NAMESPACE_MODES[:1])
+def test_attack_a_read_queue_of_the_run_beside_it_does_not_hold_a_run(mode):
+    """A review's find after the first fix: lifting a run's own throttle at its deadline does not free a child that
+    waits behind the queue of the run beside it; the first version returned that 1 s run after 4.3-6.4 s. Now, when a
+    run is not gone NEIGHBOUR_LIFT_AFTER_S after its own lift, the trainer lifts its other slots' throttles until it
+    is (then sets them again)."""
+    _needs_cgroups()
+    folder = tempfile.mkdtemp(prefix="verifiers-r5-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    os.chmod(folder, 0o755)
+    try:
+        files = [_uncached(folder, f"f{k}.bin", 8) for k in range(40)]
+        head = f"FILES = {files!r}\n"
+        verdicts = {}
+
+        def judge(name, program, timeout):
+            verdicts[name] = V.code_verdict(head + program + RIGHT, ADD, timeout=timeout, mode=mode)
+
+        neighbour = threading.Thread(target=judge, args=("neighbour", NEIGHBOUR_QUEUE, 8.0))
+        neighbour.start()
+        time.sleep(0.1)
+        judge("behind", BEHIND_THE_NEIGHBOUR, 1.0)
+        neighbour.join()
+    finally:
+        shutil.rmtree(folder)
+    assert verdicts["behind"].status == "timeout", verdicts
+    # here: 1.6 s now, 3.2 s with only the run's own throttle lifted
+    assert verdicts["behind"].elapsed_s < 1.0 + 1.5, f"held {verdicts['behind'].elapsed_s:.1f} s past a 1 s timeout"
+    for slot in S._cgroup_pool:  # every slot back in the pool with its read limit
+        for path, limited, _ in slot.throttles:
+            with open(path) as f:
+                assert limited.split()[0] in f.read(), path
+    assert V.code_verdict(RIGHT, ADD, timeout=5.0, mode=mode).status == "passed"
+
+
 def test_a_slots_read_throttle_is_lifted_when_a_run_is_over_and_set_before_it_serves():
     """`_stop` lifts the throttle at a run's deadline (a process waiting for a page behind the run's queued reads
     gets it and dies), `_return_cgroups` lifts it while the slot empties and sets it again before the slot goes back
@@ -244,6 +300,22 @@ def test_attack_a_run_cannot_take_its_users_host_wide_limits(mode):
     assert report["queues"] == 0, report
     assert report["signals"] <= getattr(S, "SANDBOX_SIGNALS_QUEUED", 64), report
     assert trainer == {"inotify": 0, "queue": 0}, f"the trainer lost its own ({errno.errorcode}): {trainer}"
+
+
+def test_a_runs_inotify_share_leaves_the_users_host_limit_to_the_trainer(monkeypatch):
+    """A review's find: 2 instances a run, x 64 runs at once, is the host's 128: on a node of many cores the runs
+    together took the trainer's user's whole limit again. Now a run gets an equal share of what that limit leaves
+    beside INOTIFY_RESERVE, 0 where nothing is left."""
+    host = int(open("/proc/sys/fs/inotify/max_user_instances").read())
+    for runs, expected in ((2, 2), (64, (host - S.INOTIFY_RESERVE) // 64), (host, 0)):
+        monkeypatch.setattr(S, "runs_at_once", lambda runs=runs: runs)
+        assert S.inotify_share() == max(0, min(S.SANDBOX_INOTIFY_INSTANCES, expected)), runs
+    monkeypatch.setattr(S, "runs_at_once", lambda: host)  # the run's own namespace then allows none
+    program = (
+        "import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('R=' + repr({'made': libc.inotify_init1(0) >= 0}), file=sys.stderr)\n" + RIGHT
+    )
+    assert _report(V.code_verdict(program, ADD, timeout=5.0)) == {"made": False}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,6 +592,23 @@ print("STATUSES", sorted({v.status for v in verdicts}))
 for v in verdicts:
     print(*[line for line in v.stderr_tail.splitlines() if line.startswith("SPAN")])
 """
+
+
+def test_a_run_that_gets_no_permit_is_an_error_not_a_hang(monkeypatch):
+    """Every permit of the node held (by a stopped rank, say): a run waits NODE_CORE_WAIT_S in the node's queue, then
+    is "error" (reward None: the caller retries, then stops the run), never a hang."""
+    monkeypatch.setattr(S, "NODE_CORE_WAIT_S", 0.5)
+    held = [S._take_node_core() for _ in range(S.runs_at_once())]
+    try:
+        start = time.monotonic()
+        verdict = V.code_verdict(RIGHT, ADD, timeout=5.0)
+        waited = time.monotonic() - start
+    finally:
+        for fd in held:
+            S._give_node_core(fd)
+    assert verdict.status == "error" and "no run permit" in verdict.stderr_tail, verdict
+    assert 0.5 <= waited < 3.0, waited
+    assert V.code_verdict(RIGHT, ADD, timeout=5.0).status == "passed"
 
 
 def test_the_ranks_of_a_node_run_at_most_one_run_per_core_together():
