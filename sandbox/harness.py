@@ -428,9 +428,8 @@ def seccomp_program():
     socket only for the families of SOCKET_FAMILIES (no AF_UNIX path to a host service, no vsock, netlink, packet,
     ...: EPERM), socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag, open/openat without O_DIRECT
     and fcntl(F_SETFL) not setting it, madvise only with the advice of MADV_ALLOWED (MADV_WILLNEED: 0, not run),
-    preadv2/pwritev2 only with the
-    flags of RWF_ALLOWED (every one of these arguments is an int or is read as one by the kernel: the low half is
-    the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other architecture: the process is
+    preadv2/pwritev2 only with the flags of RWF_ALLOWED (every one of these arguments is an int or is read as one by
+    the kernel: the low half is the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other architecture: the process is
     killed (an x32-ABI call: EPERM)."""
     import struct
 
@@ -1142,9 +1141,10 @@ def main():
     import resource
 
     status_fd, job_fd, secret_fd, go_fd, life_fd = map(int, sys.argv[1:6])
-    # every process of the run is the OOM killer's first choice (inherited; raising it needs no privilege, lowering
-    # it again needs CAP_SYS_RESOURCE, which no process of the run has on the host), never the trainer. Written while
-    # this process is still dumpable: an undumpable one's /proc files are root's, closed to a non-root trainer's.
+    # every process of the run is the OOM killer's first choice, never the trainer (inherited; raising it needs no
+    # privilege; in the namespace modes the program's /proc is read-only, so it stays; the fallback's program may
+    # lower it to the trainer's where the trainer lacks CAP_SYS_RESOURCE: docs/verifiers.md). Written while this
+    # process is still dumpable: an undumpable one's /proc files are root's, closed to a non-root trainer's.
     write_file("/proc/self/oom_score_adj", "1000")
     libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<judge>/mem, fd, environ for the runner
     with os.fdopen(job_fd, "rb") as f:  # both are nameless files: no other process can open them
