@@ -429,8 +429,8 @@ def seccomp_program():
     ...: EPERM), socketpair only AF_UNIX SOCK_STREAM, clone without a CLONE_NEW* flag, open/openat without O_DIRECT
     and fcntl(F_SETFL) not setting it, madvise only with the advice of MADV_ALLOWED (MADV_WILLNEED: 0, not run),
     preadv2/pwritev2 only with the flags of RWF_ALLOWED (every one of these arguments is an int or is read as one by
-    the kernel: the low half is the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other architecture: the process is
-    killed (an x32-ABI call: EPERM)."""
+    the kernel: the low half is the whole value). NO_OP_SYSCALLS return 0, ENOSYS_SYSCALLS ENOSYS. Any other
+    architecture: the process is killed (an x32-ABI call: EPERM)."""
     import struct
 
     ld, jeq, jset, jge, jgt, ret, and_ = 0x20, 0x15, 0x45, 0x35, 0x25, 0x06, 0x54
