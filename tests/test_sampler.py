@@ -328,17 +328,23 @@ def test_bf16_engine_refused_under_torchrun(monkeypatch, capsys, tmp_path):
     assert exc.value.code == 2 and len(err) == 1 and "runs in one process only" in err[0]
 
 
-def test_grouped_query_attention_of_one_token_equals_transformers_sdpa():
-    """_gqa_sdpa (StaticHFEngine's attention on its copy): one query token, 6 query heads over 2 key/value heads,
-    a boolean mask: the same output as transformers' SDPA, which repeats the keys and values per query head."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _one_token_gqa_inputs():
+    """One query token, 6 query heads over 2 key/value heads, 40 keys, a boolean mask: (module, q, k, v, mask)."""
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
     q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
     mask = torch.rand(5, 1, 1, 40) < 0.7
     mask[..., 0] = True
+    return module, q, k, v, mask
+
+
+def test_grouped_query_attention_of_one_token_equals_transformers_sdpa():
+    """_gqa_sdpa (StaticHFEngine's attention on its copy): one query token, 6 query heads over 2 key/value heads,
+    a boolean mask: the same output as transformers' SDPA, which repeats the keys and values per query head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, q, k, v, mask = _one_token_gqa_inputs()
     ours, _ = engines._gqa_sdpa(module, q, k, v, mask, scaling=0.25)
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (5, 1, 6, 16) and torch.allclose(ours, theirs, atol=1e-6)
@@ -452,12 +458,7 @@ def test_grouped_query_attention_takes_any_memory_layout_sdpa_returns(monkeypatc
     size is not compatible"): _gqa_sdpa reshapes it and gives the same output."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    torch.manual_seed(0)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, True
-    q, k, v = torch.randn(5, 6, 1, 16), torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
-    mask = torch.rand(5, 1, 1, 40) < 0.7
-    mask[..., 0] = True
+    module, q, k, v, mask = _one_token_gqa_inputs()
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 

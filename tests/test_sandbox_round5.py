@@ -13,7 +13,6 @@ through the real sandbox, each followed by `clean_sandbox` (nothing of a run out
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import errno
 import logging
@@ -30,6 +29,7 @@ import pytest
 
 import sandbox as S
 import verifiers as V
+from tests.test_sandbox_round4 import _needs_cgroups, _report, _resident_pages  # round four's probes
 from tests.test_verifiers import clean_sandbox  # noqa: F401 - the fixture, used below
 
 pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slow: the sandbox's attacks
@@ -37,18 +37,6 @@ pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slo
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = {"prompt": "def add(a, b):\n", "entry_point": "add", "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
 RIGHT = "def add(a, b):\n    return a + b\n"
-
-
-def _report(verdict, prefix: str = "R="):
-    """The dict a program printed on its stderr as `R=...` (its last such line)."""
-    lines = [line for line in verdict.stderr_tail.splitlines() if line.startswith(prefix)]
-    assert lines, verdict
-    return ast.literal_eval(lines[-1][len(prefix) :])
-
-
-def _needs_cgroups():
-    if not S._cgroup_parents():
-        pytest.skip("no cgroups on this machine")
 
 
 def _uncached(folder: str, name: str, mib: int) -> str:
@@ -71,27 +59,6 @@ def uncached_files():
     os.chmod(folder, 0o755)
     yield _uncached(folder, "queued.bin", 64), _uncached(folder, "faulted.bin", 64)
     shutil.rmtree(folder)
-
-
-def _resident_pages(path: str) -> int:
-    """How many pages of `path` are in the page cache (mincore on a mapping of it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        vector = ctypes.create_string_buffer((size + 4095) // 4096)
-        try:
-            assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
-        finally:
-            libc.munmap(address, size)
-        return sum(b & 1 for b in vector.raw)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
