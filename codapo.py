@@ -60,6 +60,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
+import async_rollouts
 import common
 import models
 import outputs
@@ -103,6 +104,12 @@ class Args(run.Args):  # the common flags (run.Args), then this method's own
         ("clip_high", lambda v: 0.0 <= v < math.inf, "must be finite and >= 0"),
         ("codapo_std_eps", lambda v: 0.0 < v < math.inf, "must be > 0"),
         ("codapo_offset", lambda v: 0.0 <= v < math.inf, "must be >= 0 (a negative offset can flip the sign of an advantage)"),
+        (
+            "async_lag",
+            lambda v, args: v == "off" or not args.focused_step or int(v) < args.updates_per_batch,
+            "must be below --updates-per-batch with the focused step: a focused batch is drawn after its broad step's "
+            "rewards, and a larger lag would draw it before them (docs/codapo.md); or add --no-focused-step",
+        ),
     )
 
 
@@ -334,20 +341,33 @@ def main(args: Args) -> None:
             engine.wake(model, version=update)  # a push only if the weights changed since the last one
             return outputs.run_evaluation(args, engine, eval_tasks, eval_prompts, logger, step, update, t_start)
 
+    def draw_prompts(step: int, k: int) -> tuple:
+        """Round k of a step's P problems (k > 0: dynamic sampling's later rounds): ids, prompt token ids, seed."""
+        problem_idx = sampler.sample(P) if k == 0 else sampler.more(P)
+        problems = [train_task.problems[i] for i in problem_idx]
+        prompt_ids = [
+            common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
+            for p in problems
+        ]
+        return problem_idx, prompt_ids, args.seed + step + k * common.ROUND_SEED_STRIDE  # round 0: seed + step
+
+    # --async-lag S: a producer process with its own engine generates the next steps' batches while this one trains,
+    # each at most S updates behind the weights it is trained from (async_rollouts.py); None (off): generated below
+    producer = async_rollouts.start(args, model, model_path, lora, max_model_len, draw_prompts, sampler, update)
+
     def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
         """Round k of a step: P prompts, G rollouts each, their rewards (k > 0: dynamic sampling's later rounds)."""
         with timers("rollout"):
-            problem_idx = sampler.sample(P) if k == 0 else sampler.more(P)
-            problems = [train_task.problems[i] for i in problem_idx]
-            prompt_ids = [
-                common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
-                for p in problems
-            ]
-            # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-            seed = args.seed + step + k * common.ROUND_SEED_STRIDE  # round 0: seed + step
-            rollout = common.generate_rollout(engine, prompt_ids, G, args.max_new_tokens, args.temperature, seed, minibatches)
+            if producer is None:
+                problem_idx, prompt_ids, seed = draw_prompts(step, k)
+                # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
+                rollout = common.generate_rollout(
+                    engine, prompt_ids, G, args.max_new_tokens, args.temperature, seed, minibatches
+                )
+            else:  # drawn and generated ahead under weight version rollout.version, rollout.lag updates before these
+                problem_idx, rollout = producer.take(step, update)
         with timers("reward"):  # verifiers.py scores every row
-            row_problems = [p for p in problems for _ in range(G)]
+            row_problems = [train_task.problems[i] for i in problem_idx for _ in range(G)]
             rewards = common.rollout_rewards(train_task, row_problems, rollout)  # (B,) every row, on every rank
         return problem_idx, rollout, rewards
 
@@ -366,7 +386,8 @@ def main(args: Args) -> None:
         with timers("wake"):
             # the weight sync, one push per weight version (`update`: the optimizer updates so far). vLLM: wake, push
             # the weights, reset the prefix cache; hf: refresh its bf16 copy (--engine-dtype bf16), else nothing
-            engine.wake(model, version=update)
+            if producer is None:  # --async-lag: the producer's engine has its own weights, published after each update
+                engine.wake(model, version=update)
         # the seeded mini-batch plan (row ids of whole groups), the same on every rank; torchrun deals groups by it
         minibatches = common.group_shuffled_minibatches(
             P, G, args.updates_per_batch, common.minibatch_generator(args.seed, step)
@@ -456,6 +477,8 @@ def main(args: Args) -> None:
                         "focused step skipped, the next step is a broad one"
                     )
         # TRY NOT TO MODIFY: update (mini-batches x micro-batches; a method changes only lines tagged ALGO LOGIC)
+        if producer is not None:  # --async-lag: send the later batches this step's updates' weights may sample
+            producer.dispatch_ahead(step)  # after what a method picks from this batch (the next prompts, say)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
             for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd", disable=not world.is_main):
@@ -472,6 +495,7 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
+                    old = correction.ratio_reference(micro, old)  # --rollout-is bypass: the engine's mu; else old
                     micro_mask = micro_mask * in_loss[micro].unsqueeze(1).to(logp.device)  # (b, T_m) the rows in the loss
                     # ALGO LOGIC: the method's loss of the micro-batch
                     loss, stats = compute_policy_loss(
@@ -508,6 +532,8 @@ def main(args: Args) -> None:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)  # freed now, not at the next mini-batch: the engine's wake gets it
                 update += 1
+                if producer is not None:  # --async-lag: the producer's next batch may be sampled under these weights
+                    producer.publish(model, update)
                 update_metrics.append(
                     {f"losses/{k}": v for k, v in sums.items()}
                     | common.grad_metrics(grad_norm, scaler)
@@ -535,6 +561,7 @@ def main(args: Args) -> None:
         rollout_metrics.update(codapo_metrics)  # ALGO LOGIC
         rollout_metrics |= shaping_metrics  # DAPO's options: dynamic/, the overlong penalty, rows in the loss
         rollout_metrics |= model_metrics  # LoRA's trainable parameters
+        rollout_metrics |= producer.metrics() if producer is not None else {}  # --async-lag: async/ and its perf/
         rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
@@ -570,7 +597,7 @@ def main(args: Args) -> None:
                 optimizer,
                 scheduler,
                 {
-                    "sampler": sampler.state_dict(),
+                    "sampler": producer.sampler_state() if producer is not None else sampler.state_dict(),
                     "update": update,
                     "wall_s": time.time() - t_start,
                     "eval_before": eval_before,
@@ -579,6 +606,8 @@ def main(args: Args) -> None:
                 },
             )
     bar.close()
+    if producer is not None:
+        producer.close()
     final_dir = outputs.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
     outputs.print_summary(

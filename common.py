@@ -256,6 +256,8 @@ class RolloutBatch:
         self.has_engine_logps = bool(with_engine_logps)
         self.texts: list[str] = []
         self.finish_reasons: list[str] = []
+        self.version: int | None = None  # --async-lag: the weight version it was sampled under (None: this step's)
+        self.lag = 0  # --async-lag: optimizer updates between that version and the one it is trained from
 
     def append_row(self, prompt, completion, text: str, finish_reason: str, logps=None) -> None:
         """Add one row; `logps` (one per completion token, a list or tensor) iff the batch holds log-probs."""
@@ -667,13 +669,18 @@ class RolloutCorrection:
     """The engine's sampling log-probs mu against the trainer's old log-probs pi_old, rho = pi_old / mu, row by row
     as the update loop meets them (each row once per step). `weights(rows, old, mask)`: the importance weights of
     --rollout-is (None: no correction) and the statistics behind metrics() (mismatch/, and rollout_is/ with a
-    correction); `check_engine(step)`: stop the run when the step's first mini-batch shows an engine that is not
-    sampling from the trainer's weights. Inert where the engine returned no log-probs."""
+    correction); `ratio_reference(rows, old)`: what the ratio is taken against (--rollout-is bypass: mu itself);
+    `check_engine(step)`: stop the run when the step's first mini-batch shows an engine that is not sampling from
+    the trainer's weights (a batch of --async-lag sampled under older weights is not checked). Inert where the
+    engine returned no log-probs."""
 
     SUMS = ("tokens", "abs", "k3", "out", "seqs", "seq_gmean", "w_changed", "w_zeroed", "w_sum", "seq_changed", "seq_zeroed")
 
     def __init__(self, rollout, mask: torch.Tensor, mode: str = "none", cap: float = 0.0, max_diff: float = 0.0):
         self.mode, self.cap, self.max_diff, self.checked = mode, cap, max_diff, False
+        self.lag = rollout.lag  # --async-lag: the batch's weights are this many updates older than the trainer's
+        if mode == "bypass" and not rollout.has_engine_logps:
+            raise RunError("--rollout-is bypass takes the ratio against the engine's log-probs: it returned none")
         self.engine = None  # (B, T) engine log-probs of the rows this process holds, like the mask
         if rollout.has_engine_logps:  # row-major boolean indexing visits each row's tokens in packed order
             held = torch.zeros(mask.shape[0], dtype=torch.bool)
@@ -690,6 +697,13 @@ class RolloutCorrection:
     def log_rho(self, rows, old: torch.Tensor) -> torch.Tensor | None:
         """(b, T_m) log rho = old - engine log-prob of `rows`, None without engine log-probs."""
         return None if self.engine is None else old.detach() - self.engine[rows, : old.shape[1]].to(old.device)
+
+    def ratio_reference(self, rows, old: torch.Tensor) -> torch.Tensor:
+        """(b, T_m) the log-probs the method's ratio is taken against: `old` (pi_old), or with --rollout-is bypass
+        the engine's mu of `rows` (TRL's async GRPO, PipelineRL: pi_theta / mu, clipped around mu; no weights)."""
+        if self.mode != "bypass":
+            return old
+        return self.engine[rows, : old.shape[1]].to(device=old.device, dtype=old.dtype)
 
     @torch.no_grad()
     def weights(self, rows, old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -718,7 +732,7 @@ class RolloutCorrection:
     def check_engine(self, step: int) -> None:
         """After the step's first mini-batch: RunError on every rank when the mean |log rho| of its tokens exceeds
         --max-engine-logp-diff (the engine kept old weights: a push that did not land). Later calls do nothing."""
-        if self.checked or self.engine is None or self.max_diff <= 0:
+        if self.checked or self.engine is None or self.max_diff <= 0 or self.lag > 0:
             return
         self.checked = True
         seen = world().sum({"abs": self.sums["abs"], "tokens": self.sums["tokens"]})  # torchrun: every rank's tokens
@@ -746,7 +760,7 @@ class RolloutCorrection:
             "mismatch/seq_rho_gmean_mean": s["seq_gmean"] / seqs,
             "mismatch/seq_rho_gmean_max": world().max(self.seq_max),
         }
-        if self.mode != "none":
+        if self.mode not in ("none", "bypass"):
             out |= {
                 "rollout_is/token_changed_frac": s["w_changed"] / n,
                 "rollout_is/token_zeroed_frac": s["w_zeroed"] / n,
@@ -762,8 +776,9 @@ def rollout_is_weights(mode: str, log_rho: torch.Tensor, mask: torch.Tensor, cap
     engine's probability: log_rho, mask (b, T). None for mode "none" (no correction).
       token-tis  w_t = min(rho_t, C)                                        (C = --rollout-is-cap, default 2)
       seq-mask   w_t = rho_seq = exp(sum_t log rho_t) if rho_seq <= C, else 0 for the whole sequence (C default 3)
-      icepop     w_t = rho_t if 0.5 <= rho_t <= 5, else 0"""
-    if mode == "none":
+      icepop     w_t = rho_t if 0.5 <= rho_t <= 5, else 0
+    bypass: None too (no weights; RolloutCorrection.ratio_reference puts mu in pi_old's place)."""
+    if mode in ("none", "bypass"):
         return None
     log_rho = log_rho.detach() * mask
     if mode == "token-tis":
@@ -1004,6 +1019,8 @@ class ShardedRollout:
     Reads like a RolloutBatch: `prompt(r)`, `completion(r)`, `engine_logp(r)` for r in `rows` (another rank's row
     raises), `prompt_lengths` / `completion_lengths` of all B rows, `texts` and `engine_logps_flat()` of this
     rank's rows in `rows` order, `finish_reasons` of all B rows."""
+
+    version, lag = None, 0  # the step's own weights (--async-lag runs in one process)
 
     def __init__(self, local: RolloutBatch, groups: Sequence[int], num_groups: int, n: int):
         w = world()

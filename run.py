@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+import async_rollouts
 import common
 import engines
 import models
@@ -171,16 +172,31 @@ class Args:
         "compute dtype on a GPU: autocast of the trainer's forward passes (fp32 master weights stay) and the vLLM "
         "engine's weights; fp16 adds dynamic loss scaling (CPU: fp32, no autocast; fp16 is refused there)",
     )
-    rollout_is: Literal["none", "token-tis", "seq-mask", "icepop"] = arg(
+    rollout_is: Literal["none", "token-tis", "seq-mask", "icepop", "bypass"] = arg(
         "none",
         "correction of the engine-trainer mismatch rho = pi_old / mu (docs/mismatch.md): none, token-tis "
-        "(w = min(rho, C)), seq-mask (w = rho_seq, sequence dropped above C), icepop (w = rho inside [0.5, 5], else 0)",
+        "(w = min(rho, C)), seq-mask (w = rho_seq, sequence dropped above C), icepop (w = rho inside [0.5, 5], else 0); "
+        "bypass: no weights, the ratio taken against mu itself instead of pi_old (docs/async.md)",
     )
     rollout_is_cap: float = arg(0.0, "C of --rollout-is token-tis / seq-mask (0: the standard 2 / 3)")
     max_engine_logp_diff: float = arg(
         0.1,
         "stop the run when the mean |engine - trainer log-prob| of a step's first mini-batch exceeds this (nats): "
         "the engine is not sampling from the trainer's weights (0: no check)",
+    )
+    async_lag: str = arg(
+        "off",
+        "asynchronous rollouts (docs/async.md): a producer process with its own engine generates later steps' batches "
+        "while the trainer trains, each sampled under weights at most S optimizer updates older than those it is "
+        "trained from (0: through the producer, paced to the synchronous run's weights); off: each step generates its own",
+    )
+    rollout_device: str = arg(
+        "auto",
+        "--async-lag: the producer's device: auto (the CPU beside a CPU trainer; a second GPU where there is one, else "
+        "the trainer's GPU, shared), cpu, cuda or cuda:N",
+    )
+    rollout_threads: int = arg(
+        0, "--async-lag on the CPU: the producer's torch threads; the trainer keeps the rest of the cores (0: half)"
     )
     gradient_checkpointing: bool = arg(
         False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
@@ -271,6 +287,12 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("vllm_sleep_level", lambda v: v in (1, 2), "must be 1 or 2"),
     ("rollout_is_cap", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: the standard cap of the correction)"),
     ("max_engine_logp_diff", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: no check)"),
+    (
+        "async_lag",
+        lambda v: v == "off" or (v.isascii() and v.isdigit()),
+        "must be off or a whole number of optimizer updates >= 0 (0: through the producer, as the synchronous run)",
+    ),
+    ("rollout_threads", lambda v: v >= 0, "must be >= 0 (0: half the cores)"),
     ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
     ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
     ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
@@ -301,6 +323,7 @@ def validate_args(args) -> None:
         problem = check(args)
         if problem:
             raise UserError(problem)
+    async_rollouts.check_args(args, under_torchrun())  # --async-lag: what it does not run, one line each
 
 
 def _check_cross(args) -> str | None:

@@ -107,7 +107,7 @@ def test_codapo_loss_times_the_weights_after_the_dual_clip():
 
 class _Rollout:
     def __init__(self, engine_logps):
-        self.engine_logps, self.rows, self.has_engine_logps = engine_logps, [0, 1], True
+        self.engine_logps, self.rows, self.has_engine_logps, self.lag = engine_logps, [0, 1], True, 0
 
     def engine_logps_flat(self):
         return torch.tensor([x for row in self.engine_logps for x in row])
@@ -136,7 +136,7 @@ def test_mismatch_metrics_by_hand():
 
 def test_no_engine_log_probs_is_inert():
     class NoLogps:
-        has_engine_logps, rows = False, [0, 1]
+        has_engine_logps, rows, lag = False, [0, 1], 0
 
     m = common.RolloutCorrection(NoLogps(), MASK, "token-tis", 0.0, 0.1)
     assert not m.available and m.weights([0, 1], torch.zeros(2, 3), MASK) is None and m.metrics() == {}
