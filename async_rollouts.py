@@ -27,6 +27,7 @@ import queue
 import signal
 import time
 import traceback
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -132,8 +133,8 @@ class Producer:
             daemon=False,  # vLLM's engine starts processes of its own
         )
         self.process.start()
-        self.t0 = time.perf_counter()
-        atexit.register(self.close)
+        self.t0 = None  # set when the first batch is taken
+        _LIVE.add(self)
         common.CONSOLE.info(
             f"async rollouts: a producer on {device} ({producer_threads} thread(s); the trainer "
             f"{torch.get_num_threads()}), at most {self.lag} update(s) behind"
@@ -194,6 +195,8 @@ class Producer:
             raise RunError(f"--async-lag {self.lag}: step {step}'s batch is {rollout.lag} updates old (a pacing bug)")
         self.generated_s += gen_s
         self.last_lag = rollout.lag
+        if self.t0 is None:  # the first batch is serial by nature (and waits for the producer's start): the clocks of
+            self.t0, self.waited_s, self.generated_s = time.perf_counter(), 0.0, 0.0  # overlap and idleness start here
         return problem_idx, rollout
 
     def _receive(self, block: bool) -> None:
@@ -222,7 +225,7 @@ class Producer:
         """The step's async/ and perf/ keys: its batch's lag (every row of a batch shares its version), the finished
         batches waiting when it was taken, the weight publishes of its updates, and over the run so far the overlap
         1 - wall / (generation + training) and each side's idle share."""
-        wall = max(time.perf_counter() - self.t0, 1e-9)
+        wall = max(time.perf_counter() - self.t0, 1e-9)  # since the first batch was taken
         trainer_busy = wall - self.waited_s
         out = {
             "async/lag_mean": float(self.last_lag),
@@ -247,7 +250,6 @@ class Producer:
         if getattr(self, "process", None) is None:
             return
         process, self.process = self.process, None
-        atexit.unregister(self.close)
         if process.is_alive():
             self.jobs.put(None)
             process.join(CLOSE_WAIT_S)
@@ -257,6 +259,16 @@ class Producer:
         for q in (self.jobs, self.results):
             q.cancel_join_thread()
             q.close()
+
+
+_LIVE = weakref.WeakSet()  # the producers not closed yet
+
+
+@atexit.register
+def close_all() -> None:
+    """Close every producer still running: at exit (a run that stopped on an error), or after a run stopped in-process."""
+    for producer in list(_LIVE):
+        producer.close()
 
 
 # ----- the producer process
@@ -289,27 +301,7 @@ def produce(settings, shared, published, lock, jobs, results, parent_pid) -> Non
         engine = models.make_engine(args, policy, tokenizer, model_path, settings["max_model_len"], engine_logps=True)
         if engine.name == "hf" and not engine.return_logps:
             raise RunError("the producer's engine returns no log-probs mu; async rollouts need them")
-        held = None  # the version the copy holds
-        while True:
-            job = _next_job(jobs, parent_pid)
-            if job is None:
-                break
-            step, prompt_ids, seed, min_version = job
-            with lock:
-                while published.value < min_version:
-                    lock.wait(POLL_S)
-                    _check_parent(parent_pid)
-                version = published.value  # the batch's version: read before its first token, under the lock
-                if version != held:
-                    with torch.no_grad():
-                        for name, tensor in shared.items():
-                            params[name].copy_(tensor)
-                    held = version
-            t0 = time.perf_counter()
-            engine.wake(policy, version=version)
-            G, T = args.num_generations, args.max_new_tokens
-            rollout = engine.generate(prompt_ids, G, T, args.temperature, seed=seed, progress=False)
-            results.put(("batch", step, rollout, version, time.perf_counter() - t0))
+        serve(args, engine, policy, shared, published, lock, jobs, results, parent_pid)
     except BaseException as e:  # noqa: BLE001 - the trainer gets the reason in one line, then the process ends
         line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         traceback.print_exc()
@@ -317,6 +309,34 @@ def produce(settings, shared, published, lock, jobs, results, parent_pid) -> Non
     finally:
         if engine is not None and hasattr(engine, "close"):
             engine.close()
+
+
+def serve(args, engine, policy, shared, published, lock, jobs, results, parent_pid) -> None:
+    """One job at a time until the trainer sends None: wait for the job's minimum version, take the newest published
+    weights into `policy` (the batch's version is read here, under the lock, before its first token), generate with
+    the lock free (the trainer publishes meanwhile), send ("batch", step, rollout, version, seconds) back."""
+    params = dict(policy.named_parameters())
+    held = None  # the version the copy holds
+    while True:
+        job = _next_job(jobs, parent_pid)
+        if job is None:
+            return
+        step, prompt_ids, seed, min_version = job
+        with lock:
+            while published.value < min_version:
+                lock.wait(POLL_S)
+                _check_parent(parent_pid)
+            version = published.value
+            if version != held:
+                with torch.no_grad():
+                    for name, tensor in shared.items():
+                        params[name].copy_(tensor)
+                held = version
+        t0 = time.perf_counter()
+        engine.wake(policy, version=version)
+        G, T = args.num_generations, args.max_new_tokens
+        rollout = engine.generate(prompt_ids, G, T, args.temperature, seed=seed, progress=False)
+        results.put(("batch", step, rollout, version, time.perf_counter() - t0))
 
 
 def _next_job(jobs, parent_pid):

@@ -646,6 +646,56 @@ def test_script_two_ranks_engine_vllm(tmp_path, easy_data):
     assert sorted(n for n in shards if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+def test_script_async_lag_one_with_the_vllm_producer(tmp_path, easy_data):
+    """--engine vllm --async-lag 1 (docs/async.md): the producer process builds its own vLLM engine and receives the
+    trainer's weights after each update; 3 steps run to the end, each batch at most 1 update old, the first at 0
+    (its engine's log-probs then equal the trainer's: the weights it sampled with are the trainer's), and the
+    batches after it at exactly 1 (the producer waits at the bound)."""
+    flags = [
+        "--model",
+        models.EMBEDDED_MODEL,
+        "--engine",
+        "vllm",
+        "--async-lag",
+        "1",
+        "--dataset",
+        easy_data,
+        "--reward",
+        "arith",
+        "--total-steps",
+        "3",
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "4",
+        "--max-new-tokens",
+        "16",
+        "--learning-rate",
+        "1e-5",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "1",
+        "--eval-k",
+        "1",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "run",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "grpo.py"), *flags], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    train = [r for r in _read_rows(tmp_path / "run") if "rollout/reward_mean" in r]
+    lags = [r["async/lag_max"] for r in train]
+    print(f"vLLM producer: lags {lags}, mismatch/abs_log_rho_mean {[r['mismatch/abs_log_rho_mean'] for r in train]}")
+    print(f"perf/weight_publish_s {[r['perf/weight_publish_s'] for r in train]}")
+    assert [r["step"] for r in train] == [1, 2, 3] and lags == [0.0, 1.0, 1.0]
+    assert train[0]["mismatch/abs_log_rho_mean"] < LOGP_TOL_MEAN and train[0]["mismatch/abs_log_rho_max"] < LOGP_TOL_MAX
+
+
 # --- what the engine saves the trainer: threads, flat log-probs, one push per weight version ------------------
 
 
