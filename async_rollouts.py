@@ -1,5 +1,6 @@
 """Asynchronous rollouts, --async-lag S (docs/async.md): a producer process with its own copy of the policy and its
-own rollout engine generates the batches of later steps while the trainer trains. The scripts call four things:
+own rollout engine generates the batches of later steps while the trainer trains. A script calls start(...) once
+(None when the flag is off), then:
 
     trainer (the script's loop)                               producer (produce(), another process)
     take(step, update): step's batch, its weight version       for each job (step, prompts, seed, min version), in

@@ -236,26 +236,20 @@ def main(args: Args) -> None:
     def draw_prompts(step: int, k: int) -> tuple:
         """Round k of a step's P problems (k > 0: dynamic sampling's later rounds): ids, prompt token ids, seed."""
         problem_idx = sampler.sample(P) if k == 0 else sampler.more(P)
-        problems = [train_task.problems[i] for i in problem_idx]
-        prompt_ids = [
-            common.format_prompt(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
-            for p in problems
-        ]
-        return problem_idx, prompt_ids, args.seed + step + k * common.ROUND_SEED_STRIDE  # round 0: seed + step
+        questions = [train_task.problems[i]["question"] for i in problem_idx]
+        prompts = [common.format_prompt(tokenizer, q, train_task.instruction, args.system_prompt or None) for q in questions]
+        return problem_idx, prompts, args.seed + step + k * common.ROUND_SEED_STRIDE  # round 0: seed + step
 
-    # --async-lag S: a producer process with its own engine generates the next steps' batches while this one trains,
-    # each at most S updates behind the weights it is trained from (async_rollouts.py); None (off): generated below
+    # --async-lag S: a producer process generates later batches meanwhile, <= S updates stale (async_rollouts.py)
     producer = async_rollouts.start(args, model, model_path, lora, max_model_len, draw_prompts, sampler, update)
 
     def sample_round(step: int, k: int, minibatches: list[list[int]]) -> tuple:
         """Round k of a step: P prompts, G rollouts each, their rewards (k > 0: dynamic sampling's later rounds)."""
         with timers("rollout"):
             if producer is None:
-                problem_idx, prompt_ids, seed = draw_prompts(step, k)
+                problem_idx, prompts, seed = draw_prompts(step, k)
                 # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-                rollout = common.generate_rollout(
-                    engine, prompt_ids, G, args.max_new_tokens, args.temperature, seed, minibatches
-                )
+                rollout = common.generate_rollout(engine, prompts, G, args.max_new_tokens, args.temperature, seed, minibatches)
             else:  # drawn and generated ahead under weight version rollout.version, rollout.lag updates before these
                 problem_idx, rollout = producer.take(step, update)
         with timers("reward"):  # verifiers.py scores every row

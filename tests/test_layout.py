@@ -18,6 +18,7 @@ rooms (each room reads its own flags from `args`).
     a C; `v = mod.f(...)` is what f returns on the decided path (a class constructed in a return, or the class
     named by its return annotation), across the files; `v = x if <decided> else y` is what the branch taken makes.
   Facts of a default CPU step: `world().enabled` (and a name bound to it) is False, `env_world_size()` is 1,
+  `async_rollouts.start(...)` is None (--async-lag off),
   `torch.cuda.is_available()` is False, `step` is 2. The open reach knows none of them (every branch followed).
 - The README's sentence on the reach states the figures this file computes.
 """
@@ -34,9 +35,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("grpo", "gapo", "mugrpo", "codapo", "opd")
-ROOMS = ("outputs", "run", "models")  # the run's infrastructure, in rooms by purpose
+ROOMS = ("outputs", "run", "async_rollouts", "models")  # the run's infrastructure, in rooms by purpose
 SHARED = (*ROOMS, "engines", "common")  # the files whose definitions the reach follows
-LAYERS = [SCRIPTS, ("outputs",), ("run",), ("models",), ("engines",), ("common",), ("verifiers",), ("sandbox",)]  # top down
+LAYERS = [
+    SCRIPTS,
+    ("outputs",),
+    ("run",),
+    ("async_rollouts",),
+    ("models",),
+    ("engines",),
+    ("common",),
+    ("verifiers",),
+    ("sandbox",),
+]  # top down
 PRODUCT_LINES_MAX = 1600  # no product file longer: a new capability finds its room (or gets one)
 SETUP_LINES_MAX = 80  # a script's setup, from `def main` to its step loop: a short, visible list of calls
 STEP_LINES_MAX = 950  # lines of common.py's and engines.py's definitions a reader of one default CPU step reads
@@ -103,6 +114,8 @@ class Evaluator:
                 return Facts if f.attr == "world" else 1
             if ast.unparse(f) == "torch.cuda.is_available":
                 return False
+            if _module_attr(f) == ("async_rollouts", "start"):  # the producer of --async-lag: None when it is off
+                return None if getattr(self.env.get("args"), "async_lag", None) == "off" else UNKNOWN
             return UNKNOWN
         if isinstance(node, ast.BoolOp):
             values = [self(v) for v in node.values]
@@ -376,6 +389,8 @@ def reach_of_script(script: str, shared: Shared | None = None) -> set[tuple[str,
     setup.stmts(main.body[: main.body.index(loop)])
     objects: dict[str, set] = {}
     for var, value in setup.assigned.items():
+        if shared.facts and setup.env.get(var, UNKNOWN) is None:  # decided None (the producer of --async-lag off)
+            continue
         while isinstance(value, ast.IfExp) and shared.facts:  # `v = a if <decided> else b`: the branch taken
             test = Evaluator(setup.env, shared.facts)(value.test)
             if test is UNKNOWN:
