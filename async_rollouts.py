@@ -135,7 +135,10 @@ class Producer:
         )
         self.process.start()
         self.t0 = None  # set when the first batch is taken
-        _LIVE.add(self)
+        # stopped by close(), or when this object is collected or the interpreter exits, whichever comes first (a run
+        # that stops on an error, in a script or in-process, leaves no producer behind)
+        self._stop = weakref.finalize(self, _stop_producer, self.process, self.jobs, self.results)
+        _OPEN.add(self._stop)
         common.CONSOLE.info(
             f"async rollouts: a producer on {device} ({producer_threads} thread(s); the trainer "
             f"{torch.get_num_threads()}), at most {self.lag} update(s) behind"
@@ -248,28 +251,29 @@ class Producer:
 
     def close(self) -> None:
         """Stop the producer (its engine shut down; killed after CLOSE_WAIT_S). A second call does nothing."""
-        if getattr(self, "process", None) is None:
-            return
-        process, self.process = self.process, None
+        self._stop()
+
+
+def _stop_producer(process, jobs, results) -> None:
+    if process.is_alive():
+        jobs.put(None)
+        process.join(CLOSE_WAIT_S)
         if process.is_alive():
-            self.jobs.put(None)
-            process.join(CLOSE_WAIT_S)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for q in (self.jobs, self.results):
-            q.cancel_join_thread()
-            q.close()
+            process.kill()
+            process.join()
+    for q in (jobs, results):
+        q.cancel_join_thread()
+        q.close()
 
 
-_LIVE = weakref.WeakSet()  # the producers not closed yet
+_OPEN = weakref.WeakSet()  # the finalizers of the producers not stopped yet
 
 
-@atexit.register
-def close_all() -> None:
-    """Close every producer still running: at exit (a run that stopped on an error), or after a run stopped in-process."""
-    for producer in list(_LIVE):
-        producer.close()
+@atexit.register  # registered after multiprocessing's own exit hook (torch imports it), so it runs before that
+def close_all() -> None:  # hook joins every child still running: a producer waiting for jobs would never end
+    """Stop every producer still running: at exit, and for a run stopped in-process (the tests)."""
+    for stop in list(_OPEN):
+        stop()
 
 
 # ----- the producer process

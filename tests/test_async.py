@@ -3,8 +3,10 @@ synchronous run (every script), the lag stays within S and reaches it, every gro
 included), mu is the stamped version's, the stamp of a row that straddles an update, the loss choices on a toy
 categorical policy, a producer that fails stops the run, bad input."""
 
+import gc
 import json
 import math
+import multiprocessing
 import os
 import queue
 import subprocess
@@ -23,6 +25,8 @@ import run
 from tests import tiny
 from tests.test_e2e import method_overrides
 from verifiers import RunError, UserError
+
+pytestmark = pytest.mark.slow  # whole runs and producer processes: about 3 minutes on 2 cores
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_CORE = sorted(os.sched_getaffinity(0))[:1]
@@ -122,7 +126,8 @@ def test_resume_with_batches_in_flight_trains_every_group_once(toy, tmp_path, mo
     part = dict(settings, run_name="part")
     with pytest.raises(Stop):
         grpo.main(grpo.Args(**part, async_lag="4"))
-    async_rollouts.close_all()
+    gc.collect()  # the stopped run's producer goes with its run: no process is left behind (pytest would wait on it)
+    assert not multiprocessing.active_children()
     monkeypatch.setattr(outputs, "save_checkpoint", save)
     grpo.main(grpo.Args(**part, async_lag="4", resume=str(tmp_path / "part")))
 
