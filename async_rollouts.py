@@ -138,6 +138,7 @@ class Producer:
         # stopped by close(), or when this object is collected or the interpreter exits, whichever comes first (a run
         # that stops on an error, in a script or in-process, leaves no producer behind)
         self._stop = weakref.finalize(self, _stop_producer, self.process, self.jobs, self.results)
+        _OPEN.difference_update([stop for stop in _OPEN if not stop.alive])
         _OPEN.add(self._stop)
         common.CONSOLE.info(
             f"async rollouts: a producer on {device} ({producer_threads} thread(s); the trainer "
@@ -266,14 +267,15 @@ def _stop_producer(process, jobs, results) -> None:
         q.close()
 
 
-_OPEN = weakref.WeakSet()  # the finalizers of the producers not stopped yet
+_OPEN: set = set()  # the finalizers of the producers started (the ones that ran are pruned at the next start)
 
 
 @atexit.register  # registered after multiprocessing's own exit hook (torch imports it), so it runs before that
 def close_all() -> None:  # hook joins every child still running: a producer waiting for jobs would never end
     """Stop every producer still running: at exit, and for a run stopped in-process (the tests)."""
     for stop in list(_OPEN):
-        stop()
+        stop()  # a finalizer that ran already does nothing
+    _OPEN.clear()
 
 
 # ----- the producer process
