@@ -23,8 +23,10 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import importlib.util
 import os
 import queue
+import shutil
 import signal
 import time
 import traceback
@@ -39,6 +41,7 @@ from verifiers import RunError, UserError
 
 OFF = "off"  # --async-lag's default: every step generates its own batch, in the trainer's process
 POLL_S = 1.0  # how often a blocked side looks whether the other one is still alive
+VERSION_POLL_S = 0.005  # how often a producer waiting for a version reads it (a shared integer, no lock)
 CLOSE_WAIT_S = 30.0  # close(): the producer's time to shut its engine down before it is killed
 
 
@@ -61,7 +64,13 @@ def check_args(args, under_torchrun: bool) -> None:
             "--async-lag with --dynamic-sampling is not supported: a step's later rounds depend on its first round's "
             "rewards (docs/async.md); drop one of them"
         )
-    rollout_device(args)  # a device that is not there: its own line
+    device = rollout_device(args)  # a device that is not there: its own line
+    vllm = args.engine == "vllm" or (args.engine == "auto" and importlib.util.find_spec("vllm") is not None)
+    if device.type == "cuda" and (device.index or 0) == 0 and vllm:
+        raise UserError(
+            "--async-lag with vLLM needs a GPU of its own for the producer (--rollout-device cuda:1): two vLLM engines "
+            "and the trainer on one GPU do not fit; use --engine hf to share it"
+        )
 
 
 def rollout_device(args) -> torch.device:
@@ -109,14 +118,20 @@ class Producer:
         ctx = torch.multiprocessing.get_context("spawn")
         # the published weights: the trainable parameters, in shared host memory (LoRA: the adapters only)
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        _check_shared_memory(sum(p.numel() * p.element_size() for _, p in self.params))
         self.shared = {name: torch.empty(p.shape, dtype=p.dtype).share_memory_() for name, p in self.params}
-        self.published = ctx.Value("q", -1, lock=False)  # their version: read and written under self.lock
-        self.lock = ctx.Condition()
+        # their version, written under self.lock with them. A plain lock and a polled integer, not a Condition: a
+        # producer killed while waiting on a Condition would leave the trainer's next notify blocked for good
+        self.published = ctx.Value("q", -1, lock=False)
+        self.lock = ctx.Lock()
+        self.stopping = ctx.Value("b", 0, lock=False)  # 1: the producer stops at its next look (close())
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
         self.pending = {}  # step -> (problem ids, the sampler's state before they were drawn), dispatched, not taken
         self.ready = {}  # step -> the finished batch's message, received, not taken
         self.next_dispatch = None  # the first step not dispatched yet
+        self.base = None  # the version step 1 would be trained from: pacing is anchored at the first batch taken
         self.publish_s, self.waited_s, self.generated_s, self.depth, self.last_lag = 0.0, 0.0, 0.0, 0, 0
+        self.process = None
         self.publish(model, update)
         self.publish_s = 0.0
         settings = {
@@ -129,7 +144,7 @@ class Producer:
         }
         self.process = ctx.Process(
             target=produce,
-            args=(settings, self.shared, self.published, self.lock, self.jobs, self.results, os.getpid()),
+            args=(settings, self.shared, self.published, self.lock, self.stopping, self.jobs, self.results, os.getpid()),
             name="rollout-producer",
             daemon=False,  # vLLM's engine starts processes of its own
         )
@@ -137,7 +152,7 @@ class Producer:
         self.t0 = None  # set when the first batch is taken
         # stopped by close(), or when this object is collected or the interpreter exits, whichever comes first (a run
         # that stops on an error, in a script or in-process, leaves no producer behind)
-        self._stop = weakref.finalize(self, _stop_producer, self.process, self.jobs, self.results)
+        self._stop = weakref.finalize(self, _stop_producer, self.process, self.stopping, self.jobs, self.results)
         _OPEN.difference_update([stop for stop in _OPEN if not stop.alive])
         _OPEN.add(self._stop)
         common.CONSOLE.info(
@@ -152,18 +167,26 @@ class Producer:
         """The trainer's weights after update `version`, for the producer's next batch (under the lock: the
         producer never copies half of one version and half of another)."""
         t0 = time.perf_counter()
-        with self.lock:
+        while not self.lock.acquire(timeout=POLL_S):  # the producer copies the previous version out
+            if self.process is not None and not self.process.is_alive():  # died holding the lock: it stays held
+                raise RunError(f"--async-lag: the rollout producer died (exit code {self.process.exitcode})")
+        try:
             for name, p in self.params:
                 self.shared[name].copy_(p.detach())
             self.published.value = version
-            self.lock.notify_all()
+        finally:
+            self.lock.release()
         self.publish_s += time.perf_counter() - t0
 
     # ----- the jobs
 
+    def trained_from(self, step: int) -> int:
+        """The version step `step` is trained from: `base` + (step - 1) * U (base 0, or a resumed run's offset)."""
+        return self.base + (step - 1) * self.updates_per_batch
+
     def min_version(self, step: int) -> int:
         """The oldest weights step `step` may be sampled under: S updates before the version it is trained from."""
-        return max(0, (step - 1) * self.updates_per_batch - self.lag)
+        return max(0, self.trained_from(step) - self.lag)
 
     def dispatch(self, step: int) -> None:
         state = copy.deepcopy(self.sampler.state_dict())  # a checkpoint before this batch resumes with its draw
@@ -176,13 +199,17 @@ class Producer:
         """After step `step`'s batch is scored (a method's choice of the next prompts made), before its updates: send
         every later batch whose minimum version these updates publish, (j - 1) * U - S <= step * U."""
         j = self.next_dispatch if self.next_dispatch is not None else step + 1
-        while j <= self.total_steps and self.min_version(j) <= step * self.updates_per_batch:
+        while j <= self.total_steps and self.min_version(j) <= self.trained_from(step + 1):
             self.dispatch(j)
             j += 1
 
     def take(self, step: int, update: int) -> tuple:
         """Step's problem ids and batch (a RolloutBatch with .version, the weights it was sampled under, and .lag =
         update - version), once the producer has it; RunError if the producer failed or died."""
+        if self.base is None:  # the first batch (also of a resumed run): pacing counts from the trainer's update now
+            self.base = update - (step - 1) * self.updates_per_batch
+        if self.trained_from(step) != update:
+            raise RunError(f"--async-lag: step {step} starts at update {update}, not {self.trained_from(step)}")
         if step not in self.pending:  # the run's first step (also after a resume)
             self.dispatch(step)
         t0 = time.perf_counter()
@@ -255,13 +282,22 @@ class Producer:
         self._stop()
 
 
-def _stop_producer(process, jobs, results) -> None:
+def _stop_producer(process, stopping, jobs, results) -> None:
+    """Ask the producer to stop (it looks between jobs and while it waits for a version), read what it still sends
+    (its exit waits for its batches to leave the pipe), then kill it after CLOSE_WAIT_S."""
+    stopping.value = 1
+    jobs.put(None)
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    while process.is_alive() and time.monotonic() < deadline:
+        process.join(0.05)
+        try:
+            while True:
+                results.get_nowait()
+        except (queue.Empty, OSError, EOFError):
+            pass
     if process.is_alive():
-        jobs.put(None)
-        process.join(CLOSE_WAIT_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        process.kill()
+        process.join()
     for q in (jobs, results):
         q.cancel_join_thread()
         q.close()
@@ -278,18 +314,33 @@ def close_all() -> None:  # hook joins every child still running: a producer wai
     _OPEN.clear()
 
 
+def _check_shared_memory(needed: int) -> None:
+    """The published weights live in shared memory (/dev/shm on Linux): RunError, in one line, where it is too small."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    free = shutil.disk_usage("/dev/shm").free
+    if needed > free:
+        raise RunError(
+            f"--async-lag: the published weights need {needed / 2**30:.2f} GiB of shared memory, /dev/shm has "
+            f"{free / 2**30:.2f} GiB free (in a container: --shm-size)"
+        )
+
+
 # ----- the producer process
 
 
-def produce(settings, shared, published, lock, jobs, results, parent_pid) -> None:
+def produce(settings, shared, published, lock, stopping, jobs, results, parent_pid) -> None:
     """The producer's loop (a spawned process): its own copy of the policy and engine, one job at a time."""
     _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the trainer stops it
     engine = None
     try:
         args = SimpleNamespace(**settings["args"])
         device = torch.device(settings["device"])
         torch.set_num_threads(settings["threads"])
-        if device.type == "cuda":
+        if device.type == "cuda":  # its GPU only, before CUDA starts: vLLM's executor takes the first device it sees
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
+            device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         model_path = settings["model_path"]
         tokenizer = models.load_tokenizer(model_path)
@@ -308,31 +359,38 @@ def produce(settings, shared, published, lock, jobs, results, parent_pid) -> Non
         engine = models.make_engine(args, policy, tokenizer, model_path, settings["max_model_len"], engine_logps=True)
         if engine.name == "hf" and not engine.return_logps:
             raise RunError("the producer's engine returns no log-probs mu; async rollouts need them")
-        serve(args, engine, policy, shared, published, lock, jobs, results, parent_pid)
+        serve(args, engine, policy, shared, published, lock, stopping, jobs, results, parent_pid)
     except BaseException as e:  # noqa: BLE001 - the trainer gets the reason in one line, then the process ends
         line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-        traceback.print_exc()
-        results.put(("error", line))
+        if not stopping.value:
+            traceback.print_exc()
+            results.put(("error", line))
     finally:
+        results.cancel_join_thread()  # exit without waiting for the trainer to read what is left in the pipe
         if engine is not None and hasattr(engine, "close"):
             engine.close()
 
 
-def serve(args, engine, policy, shared, published, lock, jobs, results, parent_pid) -> None:
+def serve(args, engine, policy, shared, published, lock, stopping, jobs, results, parent_pid) -> None:
     """One job at a time until the trainer sends None: wait for the job's minimum version, take the newest published
     weights into `policy` (the batch's version is read here, under the lock, before its first token), generate with
     the lock free (the trainer publishes meanwhile), send ("batch", step, rollout, version, seconds) back."""
     params = dict(policy.named_parameters())
     held = None  # the version the copy holds
     while True:
-        job = _next_job(jobs, parent_pid)
+        job = _next_job(jobs, stopping, parent_pid)
         if job is None:
             return
         step, prompt_ids, seed, min_version = job
-        with lock:
-            while published.value < min_version:
-                lock.wait(POLL_S)
+        polls = 0
+        while published.value < min_version:  # the trainer's update that publishes it is under way
+            time.sleep(VERSION_POLL_S)
+            polls += 1
+            if polls % int(POLL_S / VERSION_POLL_S) == 0:
                 _check_parent(parent_pid)
+            if stopping.value:
+                return
+        with lock:
             version = published.value
             if version != held:
                 with torch.no_grad():
@@ -346,12 +404,13 @@ def serve(args, engine, policy, shared, published, lock, jobs, results, parent_p
         results.put(("batch", step, rollout, version, time.perf_counter() - t0))
 
 
-def _next_job(jobs, parent_pid):
-    while True:
+def _next_job(jobs, stopping, parent_pid):
+    while not stopping.value:
         try:
             return jobs.get(timeout=POLL_S)
         except queue.Empty:
             _check_parent(parent_pid)
+    return None
 
 
 def _check_parent(parent_pid: int) -> None:

@@ -399,12 +399,12 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
-                    old = correction.ratio_reference(micro, old)  # --rollout-is bypass: the engine's mu; else old
+                    ratio_ref = correction.ratio_reference(micro, old)  # the ratio's reference: old; --rollout-is bypass: mu
                     micro_mask = micro_mask * in_loss[micro].unsqueeze(1).to(logp.device)  # (b, T_m) the rows in the loss
                     # ALGO LOGIC: the method's loss of the micro-batch (a per-rollout upper bound)
                     loss, stats = compute_policy_loss(
                         logp,
-                        old,
+                        ratio_ref,
                         advantages[micro].to(logp.device),
                         micro_mask,
                         eps_low=args.clip_low,

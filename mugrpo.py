@@ -409,15 +409,15 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
-                    old = correction.ratio_reference(micro, old)  # --rollout-is bypass: the engine's mu; else old
+                    ratio_ref = correction.ratio_reference(micro, old)  # the ratio's reference: old; --rollout-is bypass: mu
                     micro_mask = micro_mask * in_loss[micro].unsqueeze(1).to(logp.device)  # (b, T_m) the rows in the loss
-                    # ALGO LOGIC: the method's loss of the micro-batch (old: the stage's behaviour log-probs)
+                    # ALGO LOGIC: the method's loss of the micro-batch (ratio_ref: the stage's behaviour log-probs)
                     adv = advantages[micro].to(logp.device)  # (b,) stored at generation time
                     # veto from the CURRENT log-probs: triggers log rho < log delta in A<0 rows, then the scope's mask
-                    keep = veto_mask(logp.detach(), old, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
+                    keep = veto_mask(logp.detach(), ratio_ref, adv, micro_mask, log_delta, args.veto_scope)  # (b, T_m)
                     loss, stats = compute_policy_loss(
                         logp,
-                        old,
+                        ratio_ref,
                         adv,
                         micro_mask,
                         eps_low=args.clip_low,
@@ -438,7 +438,7 @@ def main(args: Args) -> None:
                     # ALGO LOGIC: the veto's diagnostics of the micro-batch
                     for k in ("neg_ratio_sum", "neg_tokens", "vetoed_tokens"):
                         diag[k] += stats[k]
-                    trig = veto_triggers(logp.detach(), old, adv, micro_mask, log_delta)  # (b, T_m) bool
+                    trig = veto_triggers(logp.detach(), ratio_ref, adv, micro_mask, log_delta)  # (b, T_m) bool
                     diag["neg_resp"] += int((adv < 0).sum().item())
                     diag["triggered_resp"] += int(trig.any(dim=1).sum().item())  # triggers exist only in A<0 rows
                     log_rho = correction.log_rho(micro, old)  # (b, T_m) log(pi_behav / mu) of the engine; None: none

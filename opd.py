@@ -355,7 +355,7 @@ def main(args: Args) -> None:
                     old = torch.where(ready, old_logp[micro, :T_m].to(logp.device), logp.detach())  # (b, T_m)
                     ref = ref_logp[micro, :T_m].to(logp.device) if ref_logp is not None else None
                     is_weights = correction.weights(micro, old, micro_mask)  # (b, T_m) rollout correction; None: off
-                    old = correction.ratio_reference(micro, old)  # --rollout-is bypass: the engine's mu; else old
+                    ratio_ref = correction.ratio_reference(micro, old)  # the ratio's reference: old; --rollout-is bypass: mu
                     micro_mask = micro_mask * in_loss[micro].unsqueeze(1).to(logp.device)  # (b, T_m) the rows in the loss
                     # ALGO LOGIC: the method's loss of the micro-batch (per-token advantages from the teacher)
                     teacher_m = teacher_logp[micro, :T_m].to(logp.device)  # (b, T_m)
@@ -364,7 +364,7 @@ def main(args: Args) -> None:
                     opd_sums += torch.stack([((old - teacher_m) * real).sum(), (teacher_m * real).sum(), real.sum()]).cpu()
                     loss, stats = compute_policy_loss(
                         logp,
-                        old,
+                        ratio_ref,
                         token_adv,
                         micro_mask,
                         eps_low=args.clip_low,

@@ -9,9 +9,11 @@ import math
 import multiprocessing
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -162,8 +164,7 @@ def test_mu_is_the_stamped_versions_log_probs_and_a_dead_producer_stops_the_run(
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.5)
         producer.publish(model, 1)  # version 1: the first update's weights
-        producer.dispatch(2)  # step 2 trains from version 2; at lag 1 it may be sampled under version 1
-        _, rollout = producer.take(2, 2)
+        _, rollout = producer.take(2, 2)  # step 2 trains from version 2; at lag 1 it may be sampled under version 1
         assert rollout.version == 1 and rollout.lag == 1
         pad = tok.pad_token_id
         mask = common.completion_mask_of(rollout)
@@ -199,7 +200,7 @@ def test_a_row_that_straddles_an_update_keeps_the_version_of_its_first_token(toy
     params = dict(policy.named_parameters())
     shared = {n: p.detach().clone() + 1.0 for n, p in params.items()}  # version 1: every weight + 1
     version_1 = {n: t.clone() for n, t in shared.items()}
-    published, lock = type("V", (), {"value": 1})(), threading.Condition()
+    published, stopping, lock = type("V", (), {"value": 1})(), type("V", (), {"value": 0})(), threading.Lock()
     jobs, results = queue.Queue(), queue.Queue()
     seen = {}
 
@@ -221,11 +222,38 @@ def test_a_row_that_straddles_an_update_keeps_the_version_of_its_first_token(toy
 
     jobs.put((3, [[1, 2]], 0, 1))
     jobs.put(None)
-    async_rollouts.serve(SimpleArgs(), Engine(), policy, shared, published, lock, jobs, results, os.getppid())
+    async_rollouts.serve(SimpleArgs(), Engine(), policy, shared, published, lock, stopping, jobs, results, os.getppid())
     kind, step, batch, version, _ = results.get_nowait()
     assert (kind, step, version, seen["woken"]) == ("batch", 3, 1, 1)
     assert all(torch.equal(seen["weights"][n], version_1[n]) for n in shared)  # version 1's weights, not 2's
     assert not any(torch.equal(seen["weights"][n], shared[n]) for n in shared)
+
+
+def test_a_producer_killed_while_it_waits_stops_the_run_and_never_hangs_the_trainer(toy, tmp_path):
+    """The producer waits for a version the trainer has not published yet and is SIGKILLed there (the OOM killer):
+    the trainer's next publish returns, and its next take stops the run with the exit code, within seconds."""
+    args = _tiny_args(toy, tmp_path, async_lag="1", total_steps=4)
+    model = models.load_policy(args, toy["model"], torch.device("cpu"))
+    tok = models.load_tokenizer(toy["model"])
+    prompts = [common.format_prompt(tok, "Say two a")]
+    threads = torch.get_num_threads()
+    producer = async_rollouts.start(args, model, toy["model"], None, 64, lambda s, k: ([0], prompts, s), None, 0)
+    try:
+        producer.base = 0  # as the first take sets it
+        producer.sampler = common.PromptSampler(1, 0)
+        producer.dispatch(3)  # step 3 may be sampled from version 3 on: the producer waits for it
+        time.sleep(3.0)  # the producer has started and waits
+        os.kill(producer.process.pid, signal.SIGKILL)
+        producer.process.join(10)
+        publisher = threading.Thread(target=producer.publish, args=(model, 1), daemon=True)
+        publisher.start()
+        publisher.join(10)
+        assert not publisher.is_alive(), "publish() hangs after the producer died"
+        with pytest.raises(RunError, match="rollout producer died"):
+            producer.take(3, 4)
+    finally:
+        producer.close()
+        torch.set_num_threads(threads)
 
 
 class SimpleArgs:
