@@ -109,7 +109,10 @@ class Producer:
         self.lag, self.updates_per_batch, self.total_steps = lag_of(args), args.updates_per_batch, args.total_steps
         self.draw_prompts, self.sampler = draw_prompts, sampler
         device = rollout_device(args)
-        if device.type == "cpu" and next(model.parameters()).device.type == "cpu":  # each side its own torch threads
+        cpu = device.type == "cpu" and next(model.parameters()).device.type == "cpu"
+        if cpu and self.lag == 0 and not args.rollout_threads:  # the two sides take turns: each takes every core
+            producer_threads = torch.get_num_threads()  # (the synchronous run's sums, to the last bit)
+        elif cpu:  # each side its own share of the cores
             cores = torch.get_num_threads()
             producer_threads = args.rollout_threads or max(1, cores // 2)
             torch.set_num_threads(max(1, cores - producer_threads))

@@ -196,7 +196,9 @@ class Args:
         "the trainer's GPU, shared), cpu, cuda or cuda:N",
     )
     rollout_threads: int = arg(
-        0, "--async-lag on the CPU: the producer's torch threads; the trainer keeps the rest of the cores (0: half)"
+        0,
+        "--async-lag on the CPU: the producer's torch threads; the trainer keeps the rest of the cores (0: half; at lag 0, "
+        "where the two take turns, each every core)",
     )
     gradient_checkpointing: bool = arg(
         False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
