@@ -54,4 +54,5 @@ mkdir -p "$DOCS" "$PLOTS"
   --metric 'async/lag_mean' --metric perf/overlap_frac --metric perf/weight_publish_s \
   --metric 'async/*_idle_frac' --metric mismatch/abs_log_rho_mean \
   --plot-dir "$PLOTS" --plot-name async > "$DOCS/async.md"
-echo "tables and plots in $DOCS/async.md, $PLOTS/async*"
+"$PYTHON" "$DOCS/async_runs.py" "$OUT" > "$DOCS/async_runs.md"  # pass@1 at equal updates and at equal wall clock
+echo "tables and plots in $DOCS/async.md, $DOCS/async_runs.md, $PLOTS/async*"
