@@ -239,7 +239,7 @@ def test_a_producer_killed_while_it_waits_stops_the_run_and_never_hangs_the_trai
         producer.base = 0  # as the first take sets it
         producer.sampler = common.PromptSampler(1, 0)
         producer.dispatch(3)  # step 3 may be sampled from version 3 on: the producer waits for it
-        time.sleep(3.0)  # the producer has started and waits
+        _wait_until_idle(producer.process.pid)  # started (its model loaded) and waiting for version 3
         os.kill(producer.process.pid, signal.SIGKILL)
         producer.process.join(10)
         publisher = threading.Thread(target=producer.publish, args=(model, 1), daemon=True)
@@ -251,6 +251,25 @@ def test_a_producer_killed_while_it_waits_stops_the_run_and_never_hangs_the_trai
     finally:
         producer.close()
         torch.set_num_threads(threads)
+
+
+def _wait_until_idle(pid: int, timeout: float = 60.0) -> None:
+    """Until process `pid` spends no CPU for a second (after its start): it is blocked, waiting."""
+
+    def cpu_ticks():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    deadline, last = time.monotonic() + timeout, -1
+    time.sleep(1.0)
+    while time.monotonic() < deadline:
+        now = cpu_ticks()
+        if now == last:
+            return
+        last = now
+        time.sleep(1.0)
+    raise AssertionError(f"process {pid} kept working for {timeout} s")
 
 
 class SimpleArgs:
