@@ -107,7 +107,7 @@ def test_lag_two_stays_within_two_reaches_it_and_trains_every_group_once(toy, tm
 
 
 def test_resume_with_batches_in_flight_trains_every_group_once(toy, tmp_path, monkeypatch):
-    """A run stopped after its step-2 checkpoint with the batches of steps 3 and 4 in flight (lag 4): the resumed
+    """A run stopped after its step-2 checkpoint with the batches of steps 3 to 5 in flight (lag 4): the resumed
     run draws them again with their seeds; the prompts of steps 1..6 are the uninterrupted run's, each once."""
     settings = tiny.run_settings(toy, tmp_path, "full", total_steps=6, save_every=2, log_rollouts_every=1)
     grpo.main(grpo.Args(**settings, async_lag="4"))
@@ -119,7 +119,7 @@ def test_resume_with_batches_in_flight_trains_every_group_once(toy, tmp_path, mo
 
     def save_then_stop(args, run_dir, step, *a, **kw):
         save(args, run_dir, step, *a, **kw)
-        raise Stop  # the batches of steps 3 and 4 are out: dispatched, not taken
+        raise Stop  # the batches of steps 3 to 5 are out: dispatched, not taken
 
     monkeypatch.setattr(outputs, "save_checkpoint", save_then_stop)
     part = dict(settings, run_name="part")
