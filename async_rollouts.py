@@ -364,13 +364,17 @@ def produce(settings, shared, published, lock, stopping, jobs, results, parent_p
         if engine.name == "hf" and not engine.return_logps:
             raise RunError("the producer's engine returns no log-probs mu; async rollouts need them")
         serve(args, engine, policy, shared, published, lock, stopping, jobs, results, parent_pid)
+    except SystemExit:  # the trainer is gone: nobody to tell
+        results.cancel_join_thread()
     except BaseException as e:  # noqa: BLE001 - the trainer gets the reason in one line, then the process ends
-        line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         if not stopping.value:
             traceback.print_exc()
-            results.put(("error", line))
+            results.put(("error", f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__))
+            results.close()
+            results.join_thread()  # the line is in the pipe before the process ends (the trainer reads it)
     finally:
-        results.cancel_join_thread()  # exit without waiting for the trainer to read what is left in the pipe
+        if stopping.value:
+            results.cancel_join_thread()  # the trainer stops us: exit without waiting for it to read the pipe
         if engine is not None and hasattr(engine, "close"):
             engine.close()
 
