@@ -421,21 +421,26 @@ def test_attack_starving_a_run_beside_it_does_not_make_its_reward_none(mode):
     assert _resident_pages(probe) > 0, "a run dropped the interpreter's files from the page cache"
 
 
+def _uncached(folder: str, name: str, mib: int) -> str:
+    """A file of `mib` MiB any run can read, written, synced and dropped from the page cache (root trainer)."""
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    os.chmod(path, 0o644)
+    return path
+
+
 @pytest.fixture
 def uncached_file():
     """A 64 MiB file any run can read (in /var/tmp: the namespace modes hide the host's /tmp), not in the page
     cache: written, synced and dropped from the cache (`posix_fadvise` of the trainer, root)."""
     folder = tempfile.mkdtemp(prefix="verifiers-r4-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     os.chmod(folder, 0o755)
-    path = os.path.join(folder, "data.bin")
-    with open(path, "wb") as f:
-        for _ in range(64):
-            f.write(os.urandom(1 << 20))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    os.chmod(path, 0o644)
-    yield path
+    yield _uncached(folder, "data.bin", 64)
     shutil.rmtree(folder)
 
 

@@ -29,7 +29,7 @@ import pytest
 
 import sandbox as S
 import verifiers as V
-from tests.test_sandbox_round4 import _needs_cgroups, _report, _resident_pages  # round four's probes
+from tests.test_sandbox_round4 import _needs_cgroups, _report, _resident_pages, _uncached  # round four's probes
 from tests.test_verifiers import clean_sandbox  # noqa: F401 - the fixture, used below
 
 pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slow: the sandbox's attacks
@@ -37,19 +37,6 @@ pytestmark = [pytest.mark.usefixtures("clean_sandbox"), pytest.mark.slow]  # slo
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADD = {"prompt": "def add(a, b):\n", "entry_point": "add", "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n"}
 RIGHT = "def add(a, b):\n    return a + b\n"
-
-
-def _uncached(folder: str, name: str, mib: int) -> str:
-    """A file of `mib` MiB any run can read, written, synced and dropped from the page cache (root trainer)."""
-    path = os.path.join(folder, name)
-    with open(path, "wb") as f:
-        for _ in range(mib):
-            f.write(os.urandom(1 << 20))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    os.chmod(path, 0o644)
-    return path
 
 
 @pytest.fixture

@@ -420,41 +420,15 @@ def easy_data(tmp_path_factory):
     return tiny.write_jsonl(str(tmp_path_factory.mktemp("easy") / "sums.jsonl"), rows)
 
 
-@pytest.mark.parametrize("method,extra", E2E, ids=E2E_IDS)
-def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
-    flags = [
-        "--model",
-        models.EMBEDDED_MODEL,
-        "--engine",
-        "vllm",
-        "--dataset",
-        easy_data,
-        "--reward",
-        "arith",
-        "--total-steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--num-generations",
-        "4",
-        "--max-new-tokens",
-        "16",
-        "--learning-rate",
-        "1e-5",
-        "--eval-limit",
-        "2",
-        "--eval-samples",
-        "1",
-        "--eval-k",
-        "1",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-        *extra,
-    ]
+def _run_script_on_vllm(method, tmp_path, easy_data, steps, extra):
+    """`method`.py with --engine vllm for `steps` steps of 2 prompts x 4 rollouts on the easy sums; the finished
+    process (its stderr for the failure message, the rows of metrics.jsonl read by the caller)."""
+    flags = ["--model", models.EMBEDDED_MODEL, "--engine", "vllm", "--dataset", easy_data, "--reward", "arith"]
+    flags += ["--total-steps", str(steps), "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16"]
+    flags += ["--learning-rate", "1e-5", "--eval-limit", "2", "--eval-samples", "1", "--eval-k", "1"]
+    flags += ["--output-dir", str(tmp_path), "--run-name", "run", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, os.path.join(ROOT, f"{method}.py"), *flags],
         capture_output=True,
         text=True,
@@ -462,6 +436,11 @@ def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
         cwd=ROOT,
         env=env,
     )
+
+
+@pytest.mark.parametrize("method,extra", E2E, ids=E2E_IDS)
+def test_script_trains_with_engine_vllm(method, extra, tmp_path, easy_data):
+    proc = _run_script_on_vllm(method, tmp_path, easy_data, 2, extra)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = _read_rows(tmp_path / "run")
     train = [r for r in rows if "rollout/reward_mean" in r]
@@ -651,42 +630,7 @@ def test_script_async_lag_one_with_the_vllm_producer(tmp_path, easy_data):
     trainer's weights after each update; 3 steps run to the end, each batch at most 1 update old, the first at 0
     (its engine's log-probs then equal the trainer's: the weights it sampled with are the trainer's), and the
     batches after it at exactly 1 (the producer waits at the bound)."""
-    flags = [
-        "--model",
-        models.EMBEDDED_MODEL,
-        "--engine",
-        "vllm",
-        "--async-lag",
-        "1",
-        "--dataset",
-        easy_data,
-        "--reward",
-        "arith",
-        "--total-steps",
-        "3",
-        "--prompts-per-step",
-        "2",
-        "--num-generations",
-        "4",
-        "--max-new-tokens",
-        "16",
-        "--learning-rate",
-        "1e-5",
-        "--eval-limit",
-        "2",
-        "--eval-samples",
-        "1",
-        "--eval-k",
-        "1",
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        "run",
-    ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: os.environ.get(k, v) for k, v in TEST_ENV.items()})
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "grpo.py"), *flags], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env
-    )
+    proc = _run_script_on_vllm("grpo", tmp_path, easy_data, 3, ["--async-lag", "1"])
     assert proc.returncode == 0, proc.stderr[-4000:]
     train = [r for r in _read_rows(tmp_path / "run") if "rollout/reward_mean" in r]
     lags = [r["async/lag_max"] for r in train]
