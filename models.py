@@ -801,10 +801,11 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
     copy_dtype = engine_copy_dtype(args, on_gpu)
     low = copy_dtype is not None
-    if not args.gen_batch_size:  # run.setup leaves 0 on a GPU: the rows that fit its free memory
+    rows = args.gen_batch_size  # run.setup leaves 0 on a GPU: the rows that fit this engine's device's free memory
+    if not rows:  # (args keep the 0: an async producer on another GPU sizes its own batch from its own memory)
         cuda = next(model.parameters()).device.type == "cuda"
-        args.gen_batch_size = gen_batch_for_device(model, max_model_len, copy_dtype) if cuda else GEN_BATCH_CPU
-    hf = dict(gen_batch_size=args.gen_batch_size, return_logps=return_logps or low, dtype=copy_dtype)
+        rows = gen_batch_for_device(model, max_model_len, copy_dtype) if cuda else GEN_BATCH_CPU
+    hf = dict(gen_batch_size=rows, return_logps=return_logps or low, dtype=copy_dtype)
     # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
     if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
         return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=not args.eager_decode)

@@ -40,6 +40,16 @@ def test_compile_trains_as_eager_does(toy, tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+def test_gen_batch_size_zero_is_sized_per_engine_and_left_zero_in_args(toy, tmp_path):
+    """make_engine sizes --gen-batch-size 0 for its own model's device (64 on the CPU, the free memory on a GPU) and
+    leaves args at 0: an async producer on another GPU gets the args and sizes its batch from its own device's
+    memory, not from the trainer's (the old code wrote the trainer's rows into args, and the producer took them)."""
+    args = grpo.Args(**tiny.run_settings(toy, tmp_path, "zero"))
+    model = models.load_model(toy["model"], torch.device("cpu"))
+    engine = models.make_engine(args, model, models.load_tokenizer(toy["model"]), toy["model"], 64)
+    assert engine.gen_batch_size == models.GEN_BATCH_CPU and args.gen_batch_size == 0
+
+
 def test_a_compiler_that_fails_stops_the_run_before_training_with_its_cause(toy, tmp_path, monkeypatch, capsys):
     def broken(graph_module, example_inputs):
         raise RuntimeError("no working C++ compiler on this machine")
