@@ -112,7 +112,7 @@ class Producer:
         device = rollout_device(args)
         cpu = device.type == "cpu" and next(model.parameters()).device.type == "cpu"
         if cpu and self.lag == 0 and not args.rollout_threads:  # the two sides take turns: each takes every core
-            producer_threads = torch.get_num_threads()  # (the synchronous run's sums, to the last bit)
+            producer_threads = torch.get_num_threads()  # (the synchronous run's thread count, and so its sums)
         elif cpu:  # each side its own share of the cores
             cores = torch.get_num_threads()
             producer_threads = args.rollout_threads or max(1, cores // 2)
