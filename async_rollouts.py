@@ -12,9 +12,9 @@ own rollout engine generates the batches of later steps while the trainer trains
 
 Pacing, not dropping: the batch of step j is sampled under a version v >= (j - 1) * U - S, U = --updates-per-batch
 ((j - 1) * U, counted from the first batch a run takes, is the version the trainer trains step j from), so its
-lag (j - 1) * U - v lies in [0, S]: at most
-S + 1 batches are out at once, each is taken exactly once, in order, and none is dropped. S = 0 runs through the
-same producer, paced to wait for each step's weights: the synchronous run's prompts, seeds and weights.
+lag (j - 1) * U - v lies in [0, S]: at most S + 1 batches are out at once, each is taken exactly once, in order,
+and none is dropped. S = 0 runs through the same producer, paced to wait for each step's weights: the
+synchronous run's prompts, seeds and weights.
 Resume: a checkpoint holds the prompt sampler as it was before the first batch not yet taken, so a resumed run
 draws the batches that were in flight again, with their seeds, and generates them under the checkpoint's weights.
 """
