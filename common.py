@@ -150,14 +150,20 @@ class Timers:
 # ----- 1. the mini-batch plan (engine.wake, the weight sync, is in engines.py)
 
 
-# every seed a run derives from --seed, in one place (run.rank_seed adds the first, outputs.eval_seed EVAL_SEED_OFFSET,
+# every seed a run derives from --seed, in one place (rank_seed adds the first, evaluation.eval_seed EVAL_SEED_OFFSET,
 # models.add_lora LORA_SEED_OFFSET; the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, HOLDOUT_SHUFFLE_SEED)
 RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
 SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
 MINIBATCH_SEED_STRIDE = 100_003  # the mini-batch plan of step s: seed * 100_003 + s
 ROUND_SEED_STRIDE = 10_000_019  # dynamic sampling's round k of step s samples with seed + s + 10_000_019 * k
 EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
+
 LORA_SEED_OFFSET = 7919  # LoRA's A matrices (models.add_lora): seed + 7919, the same on every rank
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The sampling seed of rank `rank` (rank 0: `seed` itself, a one-process run's)."""
+    return seed + RANK_SEED_STRIDE * rank
 
 
 def minibatch_generator(seed: int, step: int) -> torch.Generator:
@@ -211,16 +217,27 @@ class PromptSampler:
         self._order = self._permutation()
 
 
-def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> list[int]:
-    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn."""
-    return tokenizer(prompt_text(tokenizer, question, instruction, system_prompt), add_special_tokens=False)["input_ids"]
+def format_prompt(
+    tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template: str = "chat"
+) -> list[int]:
+    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn
+    (template "plain": plain text, also for a model with a chat template)."""
+    text = prompt_text(tokenizer, question, instruction, system_prompt, template)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None) -> str:
-    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+def prompt_text(
+    tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template: str = "chat"
+) -> str:
+    """The prompt as text: the question, then the instruction (an instruction holding `{question}`: the question
+    there instead), in the model's chat template (template "plain", or a model without one: plain text)."""
+    if "{question}" in instruction:
+        content = instruction.replace("{question}", question.strip())
+    else:
+        content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
-    if tokenizer.chat_template:
+    if tokenizer.chat_template and template == "chat":
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return (system_prompt + "\n\n" if system_prompt else "") + content + "\n\nAnswer: "  # a base model: plain text
 

@@ -1,4 +1,6 @@
-"""Put runs side by side: a markdown table (mean +- std over seeds) and PNG curves.
+"""Put runs side by side: a markdown table per evaluation set under its protocol (each score with its 95 % t-interval
+over seeds; one seed: its standard error over problems), a table of times and memory (mean +- std over seeds), and
+PNG curves.
 
     python compare.py runs/*                      # every run folder under runs/
     python compare.py runs/grpo__s1 runs/gapo__s1 --plot-dir plots --plot-name study
@@ -13,7 +15,10 @@ Plots (reward and eval pass@1 against optimizer updates and against wall time, o
 need matplotlib; without it the table still prints and the script says so. Runs that evaluate during training
 (--eval-every) get eval curves; an evaluation before and after training only is two points, not a line.
 --metric NAME_OR_GLOB adds a curve and a final-value column per matching logged key; --baseline NAME adds paired
-per-seed differences (method - baseline) of the final values. See docs/compare.md.
+per-seed differences (method - baseline) of the final values and, per evaluation set, a paired bootstrap over
+problems of the final evaluation (the same problems and evaluation seed in both runs, from their kept completions).
+Runs whose protocol for a set differs (samples, temperature, top-p, token budget, grader, problems, prompt) are never
+averaged or paired: one line says so and they stand in rows of their own. See docs/compare.md.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import glob
 import json
 import math
 import os
+import random
 import re
 import sys
 from dataclasses import dataclass, field
@@ -228,13 +234,229 @@ def pass_keys(groups: list[Group]) -> list[str]:
     return sorted(keys, key=lambda k: int(k.split("@")[1]))
 
 
-def table(groups: list[Group]) -> str:
-    ks = pass_keys(groups)
+# ----- uncertainty: the t-interval over seeds, the paired bootstrap over problems
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (Numerical Recipes, betacf)."""
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > 1e-300 else 1e-300)
+            c = 1.0 + aa / c if abs(1.0 + aa / c) > 1e-300 else 1e-300
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom, from the regularized incomplete beta function."""
+    x = df / (df + t * t)
+    a, b = df / 2.0, 0.5
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    ibeta = front * _betacf(a, b, x) / a if x < (a + 1) / (a + b + 2) else 1.0 - front * _betacf(b, a, 1 - x) / b
+    return 1.0 - 0.5 * ibeta if t >= 0 else 0.5 * ibeta
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (p in (0.5, 1)), by bisection of t_cdf: t_quantile(0.975, 2) = 4.3027."""
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2.0
+    for _ in range(200):
+        mid = (low + high) / 2.0
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return (low + high) / 2.0
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """(mean, half-width) of the `level` t-interval of the mean over seeds: t_{(1+level)/2, n-1} * s / sqrt(n) (None
+    for no value; half-width None for one)."""
+    values = [v for v in values if v is not None and v == v]
+    if not values:
+        return None
+    ms = mean_std(values)
+    if len(values) == 1:
+        return ms[0], None
+    return ms[0], t_quantile((1 + level) / 2, len(values) - 1) * ms[1] / math.sqrt(len(values))
+
+
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def paired_bootstrap(diffs: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0, level: float = 0.95):
+    """(mean, low, high): the mean of per-problem differences and the percentile interval of its bootstrap
+    distribution (`resamples` resamples of the problems with replacement, seeded)."""
+    rng, N = random.Random(seed), len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=N)) / N for _ in range(resamples))
+    low = means[int(math.floor((1 - level) / 2 * resamples))]
+    high = means[int(math.ceil((1 + level) / 2 * resamples)) - 1]
+    return sum(diffs) / N, low, high
+
+
+# ----- evaluation sets: one table per set and protocol
+
+
+def run_sets(run: Run) -> list[tuple[str, str]]:
+    """(label, key prefix) of every evaluation set of a run: eval/<label>/... in a suite, eval/... for one set (its
+    label from eval_protocols.json, else from args.json)."""
+    rows = run.evals()
+    suite = sorted({k.split("/")[1] for row in rows for k in row if k.count("/") == 2 and k.endswith("/protocol")})
+    order = []
+    path = os.path.join(run.path, "eval_protocols.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            order = list(json.load(f))
+    if suite:
+        return [(label, f"eval/{label}/") for label in sorted(suite, key=lambda s: order.index(s) if s in order else 99)]
+    if not rows:
+        return []
+    names = run.args.get("eval_dataset") or [run.args.get("dataset", "eval")]
+    label = order[0] if order else os.path.splitext(os.path.basename(str(names[0]).split("=")[0]))[0] or "eval"
+    return [(label, "eval/")]
+
+
+def set_protocol(run: Run, prefix: str) -> str:
+    """The protocol id a run evaluated a set under (its rows' <prefix>protocol; an older run's: its samples and
+    temperature)."""
+    rows = [row for row in run.evals() if f"{prefix}pass@1" in row]
+    if not rows:
+        return ABSENT
+    row = rows[-1]
+    if f"{prefix}protocol" in row:
+        return str(row[f"{prefix}protocol"])
+    n, t = row.get(f"{prefix}n_samples", row.get("eval/n_samples")), row.get(f"{prefix}temperature", row.get("eval/temperature"))
+    return f"n={n} T={t} (an older run: no protocol recorded)"
+
+
+def describe_protocol(run: Run, prefix: str) -> str:
+    """`100 of 100 problems, n 4, T 0.6, top-p 1, 32 tokens, grader arith (pass@1 = avg@4)` from a run's eval row."""
+    row = next((r for r in reversed(run.evals()) if f"{prefix}pass@1" in r), {})
+    get = lambda k: row.get(prefix + k, row.get("eval/" + k) if prefix == "eval/" else None)
+    parts = []
+    if get("n_problems") is not None:
+        parts.append(f"{get('n_problems')} of {get('n_source_problems') or get('n_problems')} problems")
+    n, t = get("n_samples"), get("temperature")
+    if t == 0:
+        parts.append("greedy")
+    elif n is not None:
+        parts.append(f"n {n}, T {t:g}" + (f", top-p {get('top_p'):g}" if get("top_p") is not None else ""))
+    if get("max_new_tokens") is not None:
+        parts.append(f"{get('max_new_tokens')} tokens")
+    if get("grader") is not None:
+        parts.append(f"grader {get('grader')}")
+    estimator = "greedy" if t == 0 else f"avg@{n}" if n is not None else "?"
+    return ", ".join(parts) + f" (pass@1 = {estimator})"
+
+
+def set_score_keys(runs: list[Run], prefix: str) -> list[str]:
+    """The set's pass@k and maj@k keys (without the prefix: pass@1 first), as logged by any of the runs."""
+    found = {k[len(prefix) :] for r in runs for row in r.evals() for k in row if k.startswith(prefix)}
+    keys = [k for k in found if re.fullmatch(r"(pass|maj)@\d+", k)]
+    return sorted(keys, key=lambda k: (not k.startswith("pass"), int(k.split("@")[1])))
+
+
+def score_cell(values: list[float | None], errors: list[float | None]) -> str:
+    """Seeds' values of one score: `mean ± half-width of the 95 % t-interval`; one seed: `value ± SE` (its standard
+    error over problems, where logged)."""
+    present = [(v, e) for v, e in zip(values, errors) if v is not None]
+    if not present:
+        return "-"
+    if len(present) == 1:
+        v, e = present[0]
+        return f"{v:.3f} ± {e:.3f} (SE)" if e is not None else f"{v:.3f}"
+    mean, half = t_interval([v for v, _ in present])
+    return f"{mean:.3f} ± {half:.3f}"
+
+
+def before_after(run: Run, key: str) -> tuple[dict | None, dict | None]:
+    """The run's evaluation row before training (step 0) and its last one after (step > 0) that hold `key`."""
+    rows = [row for row in run.evals() if key in row]
+    before = rows[0] if rows and rows[0].get("step", 0) == 0 else None
+    after = rows[-1] if rows and rows[-1].get("step", 0) > 0 else None
+    return before, after
+
+
+def eval_tables(groups: list[Group]) -> list[tuple[str, str, str, list[Group]]]:
+    """(label, prefix, protocol id, groups restricted to the runs of that protocol) for every evaluation set and
+    protocol among the runs, in the order the sets appear."""
+    seen: dict[tuple[str, str], None] = {}
+    for g in groups:
+        for r in g.runs:
+            for label, prefix in run_sets(r):
+                seen.setdefault((label, prefix), None)
+    out = []
+    for label, prefix in seen:
+        by_protocol: dict[str, list[Group]] = {}
+        for g in groups:
+            runs = [r for r in g.runs if (label, prefix) in run_sets(r)]
+            for proto in dict.fromkeys(set_protocol(r, prefix) for r in runs):
+                part = [r for r in runs if set_protocol(r, prefix) == proto]
+                by_protocol.setdefault(proto, []).append(Group(g.method, g.config, part, g.label))
+        for proto, gs in by_protocol.items():
+            out.append((label, prefix, proto, gs))
+    return out
+
+
+def protocol_notes(tables) -> list[str]:
+    """One line per set evaluated under more than one protocol: those runs are kept apart (never averaged or paired)."""
+    count: dict[str, int] = {}
+    for label, _, _, _ in tables:
+        count[label] = count.get(label, 0) + 1
+    return [
+        f"note: {label} was evaluated under {n} different protocols; each has its own table, and runs of different "
+        "protocols are never averaged or paired"
+        for label, n in count.items()
+        if n > 1
+    ]
+
+
+def eval_table(label: str, prefix: str, groups: list[Group]) -> str:
+    """One evaluation set under one protocol: its description, then a row per group, each score before and after
+    training (± the 95 % t-interval over seeds; one seed: ± its standard error over problems)."""
+    runs = [r for g in groups for r in g.runs]
+    keys = set_score_keys(runs, prefix)
     diff = differing_settings(groups)
-    header = ["method", "seeds", "pass@1 before", "pass@1 after"]
-    for k in ks:
-        header += [f"{k[5:]} before", f"{k[5:]} after"]
-    header += ["wall s", "rollout s", "train s", "sync s", "other s (load, eval, scoring)", "peak mem GiB"]
+    header = ["method", "seeds"] + [f"{k} {when}" for k in keys for when in ("before", "after")]
+    if diff:
+        header.append("settings that differ")
+    settings = row_settings(groups, diff)
+    lines = [
+        f"{label}: {describe_protocol(runs[0], prefix)}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for i, g in enumerate(groups):
+        cells = [g.label, f"{len(g.runs)} ({','.join(str(r.args.get('seed', '?')) for r in g.runs)})"]
+        for k in keys:
+            rows = [before_after(r, prefix + k) for r in g.runs]
+            for j in (0, 1):
+                values = [row[j].get(prefix + k) if row[j] else None for row in rows]
+                errors = [row[j].get(prefix + k + "_se") if row[j] else None for row in rows]
+                cells.append(score_cell(values, errors))
+        if diff:
+            cells.append(", ".join(f"{k}={json.loads(v) if v != ABSENT else ABSENT}" for k, v in settings[i]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+SCORE_LEGEND = (
+    "scores: mean ± the half-width of the 95 % t-interval over seeds (t_{0.975, n-1} s / sqrt(n)); one seed: ± one "
+    "standard error over problems (SE)"
+)
+
+
+def table(groups: list[Group]) -> str:
+    """Times and memory per group: mean +- sample std over seeds."""
+    diff = differing_settings(groups)
+    header = ["method", "seeds", "wall s", "rollout s", "train s", "sync s", "other s (load, eval, scoring)", "peak mem GiB"]
     if diff:
         header.append("settings that differ")
     settings = row_settings(groups, diff)
@@ -243,10 +465,6 @@ def table(groups: list[Group]) -> str:
         n = len(g.runs)
         seeds = ",".join(str(r.args.get("seed", "?")) for r in g.runs)
         cells = [g.label, f"{n} ({seeds})"]
-        for key in ["eval/pass@1"] + ks:
-            before = [r.evals()[0].get(key) if r.evals() and r.evals()[0].get("step", 0) == 0 else None for r in g.runs]
-            after = [r.evals()[-1].get(key) if r.evals() and r.evals()[-1].get("step", 0) > 0 else None for r in g.runs]
-            cells += [fmt(mean_std(before), n), fmt(mean_std(after), n)]
         walls = [max((row.get("wall_s", 0.0) for row in r.rows), default=0.0) for r in g.runs]
         phases = {
             p: [sum(row.get(f"perf/{p}_s", 0.0) for row in r.training()) for r in g.runs]
@@ -264,6 +482,68 @@ def table(groups: list[Group]) -> str:
         if diff:
             cells.append(", ".join(f"{k}={json.loads(v) if v != ABSENT else ABSENT}" for k, v in settings[i]))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def problem_scores(run: Run, label: str, prefix: str) -> tuple[list, list[float]] | None:
+    """(problem ids, each problem's share of correct samples) of the run's final evaluation of a set, from its kept
+    completions (eval_completions_step<step>_<label>.jsonl); None where the file is not there."""
+    _, after = before_after(run, prefix + "pass@1")
+    if after is None:
+        return None
+    path = os.path.join(run.path, f"eval_completions_step{after['step']}_{label}.jsonl")
+    if not os.path.isfile(path):
+        return None
+    per: dict[int, list] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                per.setdefault(r["problem"], [r.get("id"), []])[1].append(bool(r["correct"]))
+    order = sorted(per)
+    return [per[i][0] for i in order], [sum(per[i][1]) / len(per[i][1]) for i in order]
+
+
+def bootstrap_table(tables, base: Group) -> str:
+    """Per evaluation set and protocol, each group against the baseline: the mean over problems of the per-problem
+    pass@1 difference (its seeds paired, averaged), with its paired bootstrap interval over problems."""
+    lines = [
+        f"Paired bootstrap over problems of the final evaluation, method - {base.label} (per-problem pass@1 differences, "
+        f"averaged over the seeds paired; 95 % percentile interval of {BOOTSTRAP_RESAMPLES} resamples of the problems):",
+        "",
+        "| method - baseline | set | pass@1 diff | 95 % bootstrap interval | problems | seeds paired | not paired |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, prefix, _, groups in tables:
+        base_part = next((g for g in groups if g.label == base.label), None)
+        if base_part is None:
+            continue
+        base_runs = {r.args.get("seed"): r for r in base_part.runs}
+        for g in groups:
+            if g is base_part:
+                continue
+            per_seed, unpaired, ids = [], [], None
+            for r in g.runs:
+                s = r.args.get("seed")
+                other = base_runs.get(s)
+                a = problem_scores(r, label, prefix)
+                b = problem_scores(other, label, prefix) if other is not None else None
+                if other is None:
+                    unpaired.append(f"{s} ({g.label} only)")
+                elif a is None or b is None:
+                    unpaired.append(f"{s} (no kept completions)")
+                elif a[0] != b[0] or (ids is not None and a[0] != ids):
+                    unpaired.append(f"{s} (other problems)")
+                else:
+                    ids = a[0]
+                    per_seed.append([x - y for x, y in zip(a[1], b[1])])
+            if not per_seed:
+                row = ["-", "-", "-", "0"]
+            else:
+                diffs = [sum(col) / len(col) for col in zip(*per_seed)]
+                mean, low, high = paired_bootstrap(diffs)
+                row = [g4(mean, "+"), f"[{g4(low, '+')}, {g4(high, '+')}]", str(len(diffs)), str(len(per_seed))]
+            lines.append(f"| {g.label} - {base.label} | {label} | " + " | ".join(row) + f" | {', '.join(unpaired) or '-'} |")
     return "\n".join(lines)
 
 
@@ -495,7 +775,7 @@ def paired(method: Group, base: Group, key: str) -> dict:
     ]
     return {
         "diffs": diffs,
-        "mean_std": mean_std(list(diffs.values())),
+        "interval": t_interval(list(diffs.values())),
         "positive": sum(d > 0 for d in diffs.values()),
         "negative": sum(d < 0 for d in diffs.values()),
         "unmatched": unmatched,
@@ -504,7 +784,8 @@ def paired(method: Group, base: Group, key: str) -> dict:
 
 def paired_table(groups: list[Group], base: Group, keys: list[str]) -> str:
     lines = [
-        f"Paired per-seed differences of final values, method - {base.label} (mean +- sample std of the differences):",
+        f"Paired per-seed differences of final values, method - {base.label} (mean ± the half-width of its 95 % "
+        "t-interval over the seeds paired):",
         "",
         "| method - baseline | metric | mean diff | per seed (seed: diff) | sign count | unmatched seeds |",
         "|---|---|---|---|---|---|",
@@ -514,8 +795,8 @@ def paired_table(groups: list[Group], base: Group, keys: list[str]) -> str:
             continue
         for k in keys:
             p = paired(g, base, k)
-            n, ms = len(p["diffs"]), p["mean_std"]
-            mean = "-" if ms is None else g4(ms[0], "+") + (f" +- {g4(ms[1])}" if n > 1 else "")
+            n, ms = len(p["diffs"]), p["interval"]
+            mean = "-" if ms is None else g4(ms[0], "+") + (f" ± {g4(ms[1])}" if n > 1 else "")
             per_seed = ", ".join(f"{s}: {g4(d, '+')}" for s, d in p["diffs"].items()) or "-"
             ties = n - p["positive"] - p["negative"]
             sign = f"{p['positive']}/{n} positive" + (f", {ties} tied" if ties else "") if n else "-"
@@ -565,13 +846,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    tables = eval_tables(groups)
+    for label, prefix, _, set_groups in tables:
+        print(eval_table(label, prefix, set_groups) + "\n")
+    if tables:
+        print(SCORE_LEGEND + "\n")
     print(table(groups))
-    for w in warnings_for(groups) + nan_notes(groups, eval_keys(groups) + metrics):
+    for w in protocol_notes(tables) + warnings_for(groups) + nan_notes(groups, eval_keys(groups) + metrics):
         print(w)
     if metrics:
         print("\n" + final_table(groups, metrics))
     if base is not None:
         print("\n" + paired_table(groups, base, eval_keys(groups) + [k for k in metrics if not is_eval_key(k)]))
+        print("\n" + bootstrap_table(tables, base))
     if not args.no_plot:
         for path in plot(groups, args.plot_dir, args.plot_name, metrics, args.band):
             print(f"wrote {path}")

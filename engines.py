@@ -1,9 +1,12 @@
 """The rollout engines. Each turns prompts into a common.RolloutBatch of completions, through one interface:
 
     name                 "hf" or "vllm"
-    generate(prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None)
+    generate(prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None,
+             top_p=1.0)
                          -> RolloutBatch: n completions of each prompt (token id lists), the n rows of a prompt
-                         contiguous, each ending at (and keeping) its EOS; with `seed`, prompt i draws from a stream
+                         contiguous, each ending at (and keeping) its EOS; temperature 0 is greedy decoding, top_p < 1
+                         nucleus sampling (evaluation only: training samples the full distribution, so that the
+                         engine's log-probs are the policy's); with `seed`, prompt i draws from a stream
                          seeded by (request_seed_base(seed), group_ids[i] or i), so a group draws the same
                          uniforms however the prompts are split over chunks or ranks: the same tokens on the CPU in
                          fp32 (tests/test_sampler.py); on a GPU bf16 logits depend on the batch's shape, so tokens
@@ -75,8 +78,11 @@ class HFEngine:
 
     sleep = lambda self: None  # noqa: E731 - nothing to free
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
-        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups. `seed`: prompt i
+    def generate(
+        self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None, top_p=1.0
+    ):
+        """n completions per prompt (token id lists) -> a RolloutBatch, in chunks of whole groups (temperature 0:
+        greedy; top_p < 1: nucleus sampling, sample_from_logits). `seed`: prompt i
         draws from a generator seeded by (seed, group_ids[i] or i); None: torch's global generator. Several
         processes: every rank passes as many prompts (a rank that is done keeps stepping until all are: FSDP's
         forwards are collectives)."""
@@ -108,7 +114,7 @@ class HFEngine:
                         generators = [torch.Generator().manual_seed((base + k * n) % 2**32) for k in keys]
                     device = next(model.parameters()).device
                     tokens, logps = self._sample(
-                        ids.to(device), attention.to(device), n, max_new_tokens, temperature, generators
+                        ids.to(device), attention.to(device), n, max_new_tokens, temperature, generators, top_p
                     )
                     for i, toks in enumerate(tokens.tolist()):  # a completion ends at (and keeps) its first EOS
                         end = next((t + 1 for t, tok in enumerate(toks) if tok in self.eos_ids), None)
@@ -122,7 +128,7 @@ class HFEngine:
                 model.train(was_training)
         return out
 
-    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0):
         """Left-padded prompts (R, W), the n rows of a prompt consecutive -> the sampled tokens (R, t) (pad after a
         row's EOS; t = the longest row) and, with return_logps, each sampled token's log-prob after temperature.
         `generators`: one per prompt of the chunk (None: the global generator); only running rows draw."""
@@ -156,37 +162,50 @@ class HFEngine:
                 step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
                 logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
             live = running[~ended[running]]  # (L,) the rows still running (a synced rank keeps stepping ended ones)
-            self._draw(logits[~ended[running]], live, t, n, temperature, generators, tokens, logps, ended, eos)
+            self._draw(logits[~ended[running]], live, t, n, (temperature, top_p), generators, tokens, logps, ended, eos)
             done = bool(ended.all()) if not synced else common.world().max(float(not ended.all())) == 0.0  # synced: all ranks
             if done:
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
 
-    def _draw(self, logits, live, t: int, n: int, temperature: float, generators, tokens, logps, ended, eos) -> None:
+    def _draw(self, logits, live, t: int, n: int, decoding, generators, tokens, logps, ended, eos) -> None:
         """Token t of every running row: logits (L, V) of the rows `live` (L,) of the chunk -> tokens[live, t], their
-        log-probs after temperature (logps, where kept) and ended[live]. One uniform per running row: group g's rows,
-        in row order, from generator g (None: the global generator)."""
+        log-probs after temperature (logps, where kept) and ended[live]. `decoding` (temperature, top_p): temperature
+        0 takes the most likely token (greedy; log-probs at temperature 1); else one uniform per running row, group
+        g's rows in row order from generator g (None: the global generator), through sample_from_logits."""
         if not len(live):
             return
-        scores = logits.float() / temperature  # (L, V)
-        if generators is None:
-            u = torch.rand(len(live))  # (L,) one uniform per running row
-        else:  # group g's running rows, in row order, from its own generator
-            counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
-            u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
-        next_tokens = sample_from_logits(scores, u.to(logits.device))  # (L,)
+        temperature, top_p = decoding
+        scores = logits.float() / temperature if temperature > 0 else logits.float()  # (L, V)
+        if temperature == 0:
+            next_tokens = scores.argmax(dim=-1)  # (L,) greedy: no uniform drawn
+        else:
+            if generators is None:
+                u = torch.rand(len(live))  # (L,) one uniform per running row
+            else:  # group g's running rows, in row order, from its own generator
+                counts = torch.bincount(live.cpu() // n, minlength=len(generators)).tolist()
+                u = torch.cat([torch.rand(c, generator=gen) for gen, c in zip(generators, counts) if c])
+            next_tokens = sample_from_logits(scores, u.to(logits.device), top_p)  # (L,)
         tokens[live, t] = next_tokens
         if logps is not None:
             logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
         ended[live] = torch.isin(next_tokens, eos)
 
 
-def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
     """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
     the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
     is taken in float64; the uniforms are float32 (torch.rand's, multiples of 2^-24), so a token's chance is its
-    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn."""
-    cdf = torch.softmax(scores, dim=-1).double().cumsum(dim=-1)  # (L, V)
+    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn.
+    top_p < 1 (nucleus sampling, Holtzman et al. 2020): only the most likely tokens whose probabilities first reach
+    top_p together can be drawn, in proportion to their probabilities (transformers' TopPLogitsWarper and vLLM keep
+    the same set)."""
+    probs = torch.softmax(scores, dim=-1)  # (L, V)
+    if top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        ranked = ranked.masked_fill(ranked.cumsum(dim=-1) - ranked >= top_p, 0.0)  # the mass before it reached top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+    cdf = probs.double().cumsum(dim=-1)  # (L, V)
     threshold = (uniforms.double() * cdf[:, -1]).unsqueeze(1)  # (L, 1) u * total (the total is 1 up to rounding)
     return torch.searchsorted(cdf, threshold, right=True).squeeze(1).clamp(max=scores.shape[-1] - 1)
 
@@ -228,9 +247,9 @@ class StaticHFEngine(HFEngine):
             self.decode_state.graphs.release()
         self.decode_state = None
 
-    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0):
         with torch.autocast(input_ids.device.type, enabled=False):  # the copy computes in its own dtype
-            return self._static_sample(input_ids, attention, n, max_new_tokens, temperature, generators)
+            return self._static_sample(input_ids, attention, n, max_new_tokens, temperature, generators, top_p)
 
     def _decode_state(self, rows: int, length: int, dtype, device) -> _DecodeState:
         """The cache of `rows` x `length` keys and the decode step's buffers and graphs: the last chunk's when its
@@ -243,7 +262,9 @@ class StaticHFEngine(HFEngine):
             self.decode_state = _DecodeState(key, cache, model, self.cuda_graphs)
         return self.decode_state
 
-    def _static_sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+    def _static_sample(
+        self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0
+    ):
         """HFEngine._sample with a KV cache of fixed shape (StaticKV) and the decode step of b rows over the first L
         keys run as a CUDA graph captured once per (b, L) and kept for later chunks of the same shape (eager where
         there is no CUDA): b a bucket of running rows (powers of two), L a bucket of the filled keys (powers of two,
@@ -303,7 +324,8 @@ class StaticHFEngine(HFEngine):
                 L = _length_bucket(W + t, S) if self.length_buckets else S  # the keys written so far, and a few more
                 logits = state.graphs(b, L)[:m]
             live_slots = ~ended[running]
-            self._draw(logits[live_slots], running[live_slots], t, n, temperature, generators, tokens, logps, ended, eos)
+            decoding = (temperature, top_p)
+            self._draw(logits[live_slots], running[live_slots], t, n, decoding, generators, tokens, logps, ended, eos)
             if bool(ended.all()):
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
@@ -723,11 +745,11 @@ class VLLMEngine:
         return engine
 
     # ------------------------------------------------------------------------------------------
-    def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None):
+    def _sampling_params(self, n: int, max_new_tokens: int, temperature: float, seed: int | None, top_p: float = 1.0):
         return self._vllm.SamplingParams(
             n=n,
-            temperature=float(temperature),
-            top_p=1.0,
+            temperature=float(temperature),  # 0: greedy
+            top_p=float(top_p),
             top_k=0,  # 0 disables top-k in 0.33 (-1 is still accepted)
             min_p=0.0,
             max_tokens=int(max_new_tokens),
@@ -748,6 +770,7 @@ class VLLMEngine:
         desc: str = "generate",
         progress: bool = True,
         group_ids: Sequence[int] | None = None,
+        top_p: float = 1.0,
     ) -> common.RolloutBatch:
         """n completions per prompt. With `seed`, request i is seeded (B + k*n) mod 2^32 (its children + j, vLLM's
         numbering), B = request_seed_base(seed), k = group_ids[i] (the prompt's global group index) or i without
@@ -773,14 +796,14 @@ class VLLMEngine:
         if P == 0:
             return common.RolloutBatch(with_engine_logps=True)
         if seed is None:
-            params = self._sampling_params(n, max_new_tokens, temperature, None)
+            params = self._sampling_params(n, max_new_tokens, temperature, None, top_p)
         else:
             # vLLM gives child j of a request seed+j: space prompts n apart so no two completions of a call share a
             # seed (within the 2^32 seeds a CPU generator distinguishes); the base differs call to call
             if (max(index) + 1) * n > 2**32:
                 raise ValueError(f"{max(index) + 1} groups x n={n} completions exceed the 2^32 seeds one call may use")
             base = request_seed_base(seed)
-            params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32) for k in index]
+            params = [self._sampling_params(n, max_new_tokens, temperature, (base + k * n) % 2**32, top_p) for k in index]
         out = common.RolloutBatch(with_engine_logps=True)
         undecodable = 0
         per_call = max(1, VLLM_ROWS_PER_CALL // n)  # prompts: a call's outputs are packed before the next call

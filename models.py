@@ -252,28 +252,32 @@ def context_problem(context: int | None, max_new_tokens: int, max_prompt_tokens:
     return None
 
 
-def fit_context(args, model_path: str, tokenizer, train_task, eval_prompts):
+def fit_context(args, model_path: str, tokenizer, train_task, eval_sets):
     """Every prompt against the model's context (max_position_embeddings, or --max-position-embeddings), before the
     weights load. A training prompt longer than --max-prompt-tokens (by default the context minus --max-new-tokens)
     is dropped, one line saying how many and the longest kept (--long-prompts error: the run stops instead); an
-    evaluation prompt that does not fit stops the run (an eval set is measured whole). Returns (the training task
-    with the prompts kept, the engine's context: the longest prompt kept plus --max-new-tokens)."""
+    evaluation prompt that does not fit with its set's token budget (evaluation.EvalSet: its protocol's
+    max_new_tokens) stops the run (an eval set is measured whole). Returns (the training task with the prompts kept,
+    the engine's context: the longest prompt kept plus its budget, of training or of its eval set)."""
     max_new_tokens, max_prompt_tokens = args.max_new_tokens, args.max_prompt_tokens
     context = model_context(model_path, args.max_position_embeddings)
     problem = context_problem(context, max_new_tokens, max_prompt_tokens)
     if problem:
         raise UserError(problem)
     room = context - max_new_tokens if context is not None else None  # the longest prompt the context holds
-    longest = max((len(p) for prompts in eval_prompts for p in prompts), default=0)
-    if room is not None and longest > room:
-        raise UserError(
-            f"--max-new-tokens {max_new_tokens}: the longest evaluation prompt ({longest} tokens) plus {max_new_tokens} "
-            f"new tokens exceed the model's context of {context} tokens (max_position_embeddings in its config.json); "
-            f"lower --max-new-tokens to at most {max(context - longest, 0)}, or extend the context with "
-            "--max-position-embeddings"
-        )
+    eval_context = 0  # the longest evaluation prompt plus its set's new tokens
+    for eval_set in eval_sets:
+        longest, budget = max((len(p) for p in eval_set.prompts), default=0), eval_set.protocol.max_new_tokens
+        eval_context = max(eval_context, longest + budget)
+        if context is not None and longest + budget > context:
+            how = "--eval-max-new-tokens" if not eval_set.protocol.preset else f"--eval-protocol {eval_set.label}.max_new_tokens"
+            raise UserError(
+                f"evaluation set {eval_set.label}: its longest prompt ({longest} tokens) plus its {budget} new tokens exceed "
+                f"the model's context of {context} tokens (max_position_embeddings in its config.json); lower {how} to at "
+                f"most {max(context - longest, 0)}, or extend the context with --max-position-embeddings"
+            )
     if train_task is None or not train_task.problems:
-        return train_task, longest + max_new_tokens
+        return train_task, eval_context
     texts = [  # every training prompt, tokenized in one batch
         common.prompt_text(tokenizer, p["question"], train_task.instruction, args.system_prompt or None)
         for p in train_task.problems
@@ -302,7 +306,7 @@ def fit_context(args, model_path: str, tokenizer, train_task, eval_prompts):
             f"dropped {dropped} of {len(lengths)} training prompts longer than {limit}; the longest kept has "
             f"{max(lengths[i] for i in keep)} tokens (--long-prompts error stops instead)"
         )
-    return train_task, max(longest, max(lengths[i] for i in keep)) + max_new_tokens
+    return train_task, max(eval_context, max(lengths[i] for i in keep) + max_new_tokens)
 
 
 # ----- loaders: the policy (fp32 master weights, autocast on CUDA), --compile, the FSDP2 wrap under torchrun

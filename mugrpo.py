@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 import async_rollouts
 import common
+import evaluation
 import models
 import outputs
 import run
@@ -232,14 +233,11 @@ def main(args: Args) -> None:
     run_dir = resume.run_dir if resume else outputs.make_run_dir(args)
     model_path = resume.model_dir if resume else args.model  # a LoRA checkpoint's: its base (adapters: lora)
     lora = models.lora_settings(args, resume)  # --lora-rank > 0: adapters on the frozen base; None: full fine-tuning
-    train_task, eval_tasks = verifiers.load_tasks(args)  # data and scoring, gold answers checked (None: --eval-only)
     tokenizer = models.load_tokenizer(model_path)
-    eval_prompts = [
-        [common.format_prompt(tokenizer, p["question"], t.instruction, args.system_prompt or None) for p in t.problems]
-        for t in eval_tasks
-    ]  # one list of prompts per eval set
+    train_task = verifiers.load_training_task(args)  # data and scoring, gold answers checked (None: --eval-only)
+    eval_sets = evaluation.load_sets(args, tokenizer, train_task)  # each set whole, with its protocol and prompts
     # every prompt against the model's context, before the weights load (a training prompt too long: dropped)
-    train_task, max_model_len = models.fit_context(args, model_path, tokenizer, train_task, eval_prompts)
+    train_task, max_model_len = models.fit_context(args, model_path, tokenizer, train_task, eval_sets)
     model = models.load_policy(args, model_path, device, lora)  # fp32 master weights; torchrun: FSDP2-sharded
     # --beta: the frozen initial model (a LoRA run's: the policy itself with its adapters off, no second copy)
     ref_model = models.reference_model(args, model, device) if args.beta > 0 else None
@@ -268,7 +266,7 @@ def main(args: Args) -> None:
     def run_eval(step: int) -> dict:
         with timers("eval"):
             engine.wake(model, version=update)  # a push only if the weights changed since the last one
-            return outputs.run_evaluation(args, engine, eval_tasks, eval_prompts, logger, step, update, t_start)
+            return evaluation.run_evaluation(args, engine, eval_sets, logger, step, update, t_start)
 
     def draw_prompts(step: int, k: int) -> tuple:
         """Round k of a step's P problems (k > 0: dynamic sampling's later rounds): ids, prompt token ids, seed."""
@@ -295,8 +293,8 @@ def main(args: Args) -> None:
         return problem_idx, rollout, rewards
 
     if args.eval_only:
-        title = f"{args.exp_name} eval-only: {args.model} on {', '.join(t.name for t in eval_tasks)}"
-        outputs.print_summary(title, None, run_eval(0), timers.total, time.time() - t_start)
+        title = f"{args.exp_name} eval-only: {args.model} on {', '.join(s.label for s in eval_sets)}"
+        evaluation.print_summary(title, None, run_eval(0), timers.total, time.time() - t_start, eval_sets)
         logger.close()
         return
     if start_step == 0:
@@ -536,12 +534,13 @@ def main(args: Args) -> None:
         producer.close()
     final_dir = outputs.save_final_model(run_dir, model, tokenizer)  # weights + tokenizer, no optimizer state
     wall = time.time() - t_start
-    outputs.print_summary(
+    evaluation.print_summary(
         f"{args.exp_name}: {args.model} on {train_task.name}, {args.total_steps} steps, run {run_dir}",
         eval_before,
         eval_after,
         timers.total,
         wall,
+        eval_sets,
     )
     common.CONSOLE.info(f"final model: {final_dir}")
     logger.close()

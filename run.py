@@ -30,6 +30,7 @@ import torch
 import async_rollouts
 import common
 import engines
+import evaluation
 import models
 import verifiers
 from verifiers import RunError, UserError
@@ -55,8 +56,9 @@ class Args:
     dataset: str = arg("arith", "registry name (arith, humaneval, gsm8k, math, ...), hub id, or local .jsonl/.json/.parquet")
     eval_dataset: list[str] = arg(
         [],
-        "evaluation set(s), e.g. math500 aime24 amc23 (default: held-out split of --dataset); "
-        "several: eval/<set>/pass@k each, eval/pass@k = the first set",
+        "evaluation set(s), each used whole: a registry name (math500 aime24 amc23 gsm8k ...: its preset protocol), a "
+        "local file, or NAME=FILE (a registry set's local copy, with its preset); default: a held-out split of "
+        "--dataset. Several: eval/<set>/pass@k each, eval/pass@k = the first set (docs/evaluation.md)",
     )
     question_field: str = arg("", "question field of a hub/local dataset (default: the registry's, else 'question')")
     answer_field: str = arg("", "answer field of a hub/local dataset (default: the registry's, else 'answer')")
@@ -210,10 +212,19 @@ class Args:
         "compile stops the run before training, with the compiler's error",
     )
     eval_every: int = arg(0, "evaluate every N steps (0: only before and after training)")
-    eval_samples: int = arg(4, "samples per evaluation problem (n)")
-    eval_limit: int = arg(100, "evaluate on the first N held-out problems (0: all)")
-    eval_temperature: float = arg(0.6, "sampling temperature for evaluation")
-    eval_k: list[int] = arg([4], "k values for pass@k (each <= --eval-samples)")
+    eval_samples: int = arg(4, "evaluation sets without a preset: samples per problem (n; pass@1 is their mean, avg@n)")
+    eval_limit: int = arg(0, "evaluate on the first N problems of each set (0: all; the built-in arith holds 100)")
+    eval_temperature: float = arg(0.6, "evaluation sets without a preset: sampling temperature (0: greedy, with n 1)")
+    eval_top_p: float = arg(1.0, "evaluation sets without a preset: nucleus sampling's top-p (1: off)")
+    eval_max_new_tokens: int = arg(0, "evaluation sets without a preset: the answer's token budget (0: --max-new-tokens)")
+    eval_k: list[int] = arg([4], "evaluation sets without a preset: k values for pass@k (each <= --eval-samples)")
+    eval_protocol: list[str] = arg(
+        [],
+        "any field of one evaluation set, SET.FIELD=VALUE (SET * : every set), over its preset or the flags above, e.g. "
+        "aime24.n=16 aime24.max_new_tokens=4096 gsm8k.grader=gsm8k-strict '*.temperature=0' '*.n=1'; fields: n "
+        "temperature top_p max_new_tokens k maj limit question_field answer_field answer_format template instruction "
+        "system_prompt grader preset (docs/evaluation.md)",
+    )
     eval_only: bool = arg(False, "only evaluate --model on the eval set, then exit")
     save_every: int = arg(0, "write a checkpoint every N steps (0: none; the last step is always saved if N>0)")
     keep_last: int = arg(
@@ -298,7 +309,9 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
     ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
     ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
     ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
-    ("eval_temperature", lambda v: _is_num(v) and v > 0, "must be > 0 (evaluation samples; pass@k needs sampling)"),
+    ("eval_temperature", lambda v: _is_num(v) and v >= 0, "must be >= 0 (0: greedy decoding)"),
+    ("eval_top_p", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1] (1: no nucleus cut)"),
+    ("eval_max_new_tokens", lambda v: v >= 0, "must be >= 0 (0: --max-new-tokens)"),
     ("eval_k", lambda v: len(v) > 0 and all(k >= 1 for k in v), "values must be >= 1"),
     ("save_every", lambda v: v >= 0, "must be >= 0 (0: no checkpoints; the final model is always written)"),
     ("keep_last", lambda v: v >= 0, "must be >= 0 (0: keep every checkpoint)"),
@@ -326,11 +339,10 @@ def validate_args(args) -> None:
         if problem:
             raise UserError(problem)
     async_rollouts.check_args(args, under_torchrun())  # --async-lag: what it does not run, one line each
+    evaluation.protocols(args)  # every evaluation set's protocol can run (greedy with n > 1, a k > n, ...: one line)
 
 
 def _check_cross(args) -> str | None:
-    if any(k > args.eval_samples for k in args.eval_k):
-        return "--eval-k values must be <= --eval-samples (pass@k needs n >= k samples)"
     P, M = args.prompts_per_step, args.updates_per_batch
     if M > P or math.ceil(P / math.ceil(P / M)) != M:  # group_shuffled_minibatches: whole groups, ceil(P/M) each
         return (
@@ -598,8 +610,23 @@ def load_config(path: str, args_cls: type) -> dict:
                     f"--{name.replace('_', '-')} on the command line to set it"
                 )
             continue
+        if name == "eval_protocol" and isinstance(value, dict):  # {set: {field: value}}, the readable form in YAML
+            value = protocol_items(path, value)
         values[name] = _config_value(path, name, value, hints[name])
     return values
+
+
+def protocol_items(path: str, sets: dict) -> list[str]:
+    """--config's eval_protocol as a mapping {SET: {FIELD: VALUE}} -> the flag's SET.FIELD=VALUE items (a list value:
+    its items joined by commas)."""
+    items = []
+    for label, fields in sets.items():
+        if not isinstance(fields, dict):
+            raise UserError(f"--config {path}: eval_protocol.{label} must map fields to values, e.g. {{n: 16, temperature: 0.6}}")
+        for name, value in fields.items():
+            text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else "" if value is None else str(value)
+            items.append(f"{label}.{name}={text}")
+    return items
 
 
 def _config_value(path: str, name: str, value: Any, hint: Any) -> Any:
@@ -685,14 +712,10 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, n))
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    return seed + common.RANK_SEED_STRIDE * rank
-
-
 def seed_everything(seed: int) -> None:
     """Seed python, torch and numpy's global generators (what sampling draws from), each rank its own stream;
     everything every rank must agree on (prompt order, mini-batch plan) uses its own seeded generator."""
-    seed = rank_seed(seed, common.world().rank)
+    seed = common.rank_seed(seed, common.world().rank)
     random.seed(seed)
     torch.manual_seed(seed)
     try:

@@ -29,7 +29,6 @@ Part 2, rewards:
 
 from __future__ import annotations
 
-import atexit
 import gzip
 import importlib
 import importlib.util
@@ -41,17 +40,16 @@ import numbers
 import os
 import random
 import re
-import select
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import sandbox
+from sandbox import math_pool
 from sandbox import (  # noqa: F401 - re-exported: verifiers.sandbox_mode(), verifiers.SandboxResult, ...
     CODE_TIMEOUT_S,
     FALLBACK_LIMITS,
@@ -61,7 +59,6 @@ from sandbox import (  # noqa: F401 - re-exported: verifiers.sandbox_mode(), ver
     hide_from_sandbox,
     sandbox_mode,
 )
-from sandbox import SITE_DIRS as _SITE_DIRS
 from sandbox import num_cores as _num_cores
 
 log = logging.getLogger(__name__)
@@ -87,6 +84,8 @@ BUILTIN_REWARDS = ("auto", "arith", "math", "code")
 HOLDOUT = 200  # problems held out for evaluation from a dataset without an eval split (at most a fifth of it)
 # Seeds of the data splits (the training run's random streams: common.py, step 1)
 ARITH_EVAL_SEED_OFFSET = 10_000  # the arith eval problems of --seed s are drawn with seed s + 10_000
+ARITH_EVAL_PROBLEMS = 100  # the built-in arith task's evaluation set: the first 100 of the 200 its training never sees
+ANSWER_GRADERS = ("math", "gsm8k-strict", "gsm8k-flexible", "arith")  # evaluation graders that read off an answer
 HOLDOUT_SHUFFLE_SEED = 1234  # the held-out carve of a dataset without an eval split (the same for every --seed)
 
 
@@ -148,13 +147,14 @@ def load_task(
 ) -> Task:
     """Problems of a registered dataset, a hub id or a local file, for `split` in {"train", "eval"}.
 
-    Datasets without an eval split (and local files) keep a seeded hold-out of `holdout` problems for
-    "eval" that "train" never sees. `reward` (auto|arith|math|code) overrides the dataset's reward kind;
-    `module:function` or `path.py:function` is the user's own `fn(completion, problem) -> float` (kind "custom",
-    loaded and checked here, before any model is loaded). `answer_format` (auto|gsm8k|boxed|raw) says how the gold
-    answer is read from the answer field (read_answer). The gold answers of a math or arith task are checked here
-    (check_golds): a row whose gold can never be matched is dropped with a warning, a dataset where most are is
-    refused."""
+    `holdout` > 0: a source without an eval split (a local file, say) is cut in two, a seeded hold-out of
+    `holdout` problems (at most a fifth) for "eval" that "train" never sees; 0: the source is used whole (an
+    evaluation set named in --eval-dataset, a training set evaluated on other sources). `reward` (auto|arith|math|code)
+    overrides the dataset's reward kind; `module:function` or `path.py:function` is the user's own
+    `fn(completion, problem) -> float` (kind "custom", loaded and checked here, before any model is loaded).
+    `answer_format` (auto|gsm8k|boxed|raw) says how the gold answer is read from the answer field (read_answer). The
+    gold answers of a math or arith task are checked here (check_golds): a row whose gold can never be matched is
+    dropped with a warning, a dataset where most are is refused."""
     custom = load_custom_reward(reward) if reward not in BUILTIN_REWARDS else None
     task = _load_task(name, split, seed, question_field, answer_field, holdout, answer_format)
     if custom is not None:  # the dataset's instruction (answer format) stays; the user's function scores
@@ -173,53 +173,55 @@ def load_task(
     return task
 
 
-def load_eval_tasks(
-    names: Sequence[str],
-    default: str,
-    seed: int,
-    question_field: str | None = None,
-    answer_field: str | None = None,
-    reward: str = "auto",
-    limit: int = 0,
-    answer_format: str = "auto",
-) -> list[Task]:
-    """The evaluation sets (`--eval-dataset a b c`; none: the held-out split of `default`), each cut to its first
-    `limit` problems (0: all). Two sets with the same label are one error."""
-    tasks, seen = [], {}
-    for name in list(names) or [default]:
-        label = eval_set_label(name)
-        if label in seen:
-            raise UserError(
-                f"--eval-dataset: {seen[label]!r} and {name!r} both log as eval/{label}/...; "
-                "give each evaluation set once (rename a local file if two share a name)"
-            )
-        seen[label] = name
-        task = load_task(name, "eval", seed, question_field, answer_field, reward=reward, answer_format=answer_format)
-        if limit:
-            task.problems, task.where = task.problems[:limit], task.where[:limit]
-        tasks.append(task)
-    return tasks
-
-
-def load_tasks(args) -> tuple[Task | None, list[Task]]:
-    """A run's tasks from its flags: (the training task of --dataset, None with --eval-only; the evaluation sets of
-    --eval-dataset, cut to --eval-limit), with --question-field, --answer-field, --reward and --answer-format."""
+def load_training_task(args) -> Task | None:
+    """The training task of --dataset (None with --eval-only), with --question-field, --answer-field, --reward and
+    --answer-format. A source without an eval split is cut in two (a seeded hold-out for evaluation, the rest for
+    training) only when it is also the evaluation source (training_holdout); named in --eval-dataset, another source is
+    evaluated whole."""
+    if args.eval_only:
+        return None
     fields = dict(question_field=args.question_field or None, answer_field=args.answer_field or None)
     scoring = dict(reward=args.reward, answer_format=args.answer_format)
-    train = None if args.eval_only else load_task(args.dataset, "train", args.seed, **fields, **scoring)
-    evals = load_eval_tasks(args.eval_dataset, args.dataset, args.seed, limit=args.eval_limit, **fields, **scoring)
-    return train, evals
+    return load_task(args.dataset, "train", args.seed, **fields, holdout=training_holdout(args), **scoring)
+
+
+def training_holdout(args) -> int:
+    """The hold-out carved from --dataset: HOLDOUT when the run evaluates on its own training source (no
+    --eval-dataset, or --dataset named in it, not under --eval-only), else 0 (the source whole)."""
+    if not args.eval_dataset:
+        return HOLDOUT
+    named = any(same_dataset(eval_set_source(n), args.dataset) for n in args.eval_dataset)
+    return HOLDOUT if named and not args.eval_only else 0
+
+
+def same_dataset(a: str, b: str) -> bool:
+    """Do two --dataset / --eval-dataset values name one source (a file by its real path, else by name)?"""
+    if os.path.exists(a) or os.path.exists(b):
+        return os.path.exists(a) and os.path.exists(b) and os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+_COPY_RE = re.compile(r"([A-Za-z0-9_.-]+)=(.+)")  # --eval-dataset NAME=FILE: a registry set's local copy, or a label
 
 
 def eval_set_label(name: str) -> str:
     """Short name of an eval set in metric keys (eval/<label>/pass@1): a registry name as is, a local file's
-    base name without extension, a hub id's last part."""
+    base name without extension, a hub id's last part; NAME of NAME=FILE."""
+    copy = _COPY_RE.fullmatch(name)
+    if copy and not os.path.exists(name):
+        return copy.group(1)
     if name in BUILTIN_DATASETS or name in HUB_DATASETS:
         return name
     base = os.path.basename(name.rstrip("/"))
     for ext in (".gz", ".jsonl", ".json", ".parquet"):
         base = base[: -len(ext)] if base.endswith(ext) else base
     return base or name
+
+
+def eval_set_source(name: str) -> str:
+    """Where an eval set's problems come from: FILE of NAME=FILE, else the name itself."""
+    copy = _COPY_RE.fullmatch(name)
+    return copy.group(2) if copy and not os.path.exists(name) else name
 
 
 def _load_task(
@@ -232,10 +234,10 @@ def _load_task(
     answer_format: str,
 ) -> Task:
     if name == "arith":
-        test = arith_problems(holdout, seed=ARITH_EVAL_SEED_OFFSET + seed)
+        held_out = arith_problems(HOLDOUT, seed=ARITH_EVAL_SEED_OFFSET + seed)  # never trained on
         if split == "eval":
-            return Task("arith", "arith", test, ARITH_INSTRUCTION)
-        train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in test})
+            return Task("arith", "arith", held_out[:ARITH_EVAL_PROBLEMS], ARITH_INSTRUCTION)
+        train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in held_out})
         return Task("arith", "arith", train, ARITH_INSTRUCTION)
     if name == "humaneval":
         if split == "train":
@@ -244,18 +246,18 @@ def _load_task(
         return Task("humaneval", "code", problems, CODE_INSTRUCTION)
     if name in HUB_DATASETS:
         info = HUB_DATASETS[name]
-        q_field, a_field = question_field or info["q"], answer_field or info["a"]
         hub_split = info[split] if split in ("train", "eval") else split
         if hub_split is None and split == "train":
             raise UserError(f"dataset {name} is evaluation-only; train on another dataset and pass --eval-dataset {name}")
-        carve = hub_split is None
-        rows = _load_rows(info["path"], info["config"], info["train"] if carve else hub_split)
+        carve = hub_split is None and holdout > 0
+        rows = _load_rows(info["path"], info["config"], hub_split or info["train"])
+        q_field, a_field = _present_field(rows, question_field or info["q"]), _present_field(rows, answer_field or info["a"])
         kind = info["kind"]
         answer_format = info.get("answer_format", "auto") if answer_format == "auto" else answer_format
     else:
-        q_field, a_field = question_field or "question", answer_field or "answer"
         rows = _load_rows(name, None, "train")
-        carve, kind = True, "math"
+        q_field, a_field = _present_field(rows, question_field or "question"), _present_field(rows, answer_field or "answer")
+        carve, kind = holdout > 0, "math"
         if rows and any(k in rows[0] for k in ("test_list", "entry_point")) and a_field not in rows[0]:
             kind = "code"
     problems, where = _rows_to_problems(rows, kind, q_field, a_field, answer_format, name)
@@ -266,6 +268,15 @@ def _load_task(
         chosen = sorted(order[:n_hold]) if split == "eval" else sorted(order[n_hold:])
         problems, where = [problems[i] for i in chosen], [where[i] for i in chosen]
     return Task(name, kind, problems, INSTRUCTIONS[kind], where=where)
+
+
+def _present_field(rows, candidates: str | tuple[str, ...]) -> str:
+    """The first of a field's names (one, or several in order of preference) that the rows have: copies of one
+    benchmark name their answer `answer` or `solution`. None present: the first (the error names the rows' fields)."""
+    if isinstance(candidates, str):
+        return candidates
+    have = rows[0].keys() if len(rows) else ()
+    return next((c for c in candidates if c in have), candidates[0])
 
 
 # ----- the built-in arithmetic task
@@ -348,17 +359,35 @@ HUB_DATASETS: dict[str, dict] = {
         a="answer",
         kind="math",
     ),
+    # math-ai/aime24's `solution` is just \boxed{N}; a copy with an `answer` field (HuggingFaceH4/aime_2024's) reads that
     "aime24": dict(
-        path="math-ai/aime24",
+        path="math-ai/aime24", config=None, train=None, eval="test", q="problem", a=("answer", "solution"), kind="math"
+    ),
+    "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
+    "amc23": dict(
+        path="math-ai/amc23", config=None, train=None, eval="test", q=("question", "problem"), a="answer", kind="math"
+    ),
+    # the 272 MIT OCW problems of Minerva (arXiv:2206.14858); the copies of Qwen2.5-Math and DeepScaleR: problem, solution
+    "minerva": dict(
+        path="math-ai/minervamath",
         config=None,
         train=None,
         eval="test",
-        q="problem",
-        a="solution",
+        q=("question", "problem"),
+        a=("answer", "solution"),
         kind="math",
     ),
-    "aime25": dict(path="math-ai/aime25", config=None, train=None, eval="test", q="problem", a="answer", kind="math"),
-    "amc23": dict(path="math-ai/amc23", config=None, train=None, eval="test", q="question", a="answer", kind="math"),
+    # OlympiadBench's English open-ended competition maths (674 rows on the hub, 675 in Qwen2.5-Math's copy); the gold
+    # `final_answer` is a list (several answers: all of them)
+    "olympiadbench": dict(
+        path="Hothan/OlympiadBench",
+        config="OE_TO_maths_en_COMP",
+        train=None,
+        eval="train",
+        q=("question", "problem"),
+        a=("final_answer", "answer"),
+        kind="math",
+    ),
     "mbpp": dict(
         path="google-research-datasets/mbpp", config="full", train="train", eval="test", q="text", a="test_list", kind="code"
     ),
@@ -385,18 +414,27 @@ def answer_format_of(text: str) -> str:
     return "gsm8k" if "####" in text else "boxed" if "\\boxed" in text else "raw"
 
 
-def read_answer(raw: Any, answer_format: str) -> tuple[str | None, str]:
+def read_answer(raw: Any, answer_format: str) -> tuple[str | list[str] | None, str]:
     """(gold answer, format used) of an answer field. gsm8k: the text after the last '####', commas removed
-    (GSM8K's '#### 1,234' is 1234); boxed: the content of the last \\boxed{}; raw: the text; auto: the format the
-    field looks like (answer_format_of), row by row. None when the field holds no answer in that format."""
+    (GSM8K's '#### 1,234' is 1234); boxed: the content of the \\boxed{}; raw: the text; auto: the format the field
+    looks like (answer_format_of), row by row. A gold of several answers (a solution's boxes `\\boxed{1}` and
+    `\\boxed{-2}`, a list such as OlympiadBench's final_answer) is the list of all of them, each once, and a
+    prediction must name every one (math_reward). None when the field holds no answer in that format."""
     if raw is None:
         return None, answer_format
+    if isinstance(raw, (list, tuple)):
+        answers = [read_answer(item, answer_format) for item in raw]
+        if not answers or any(a is None or isinstance(a, list) for a, _ in answers):
+            return None, answer_format
+        golds = list(dict.fromkeys(a for a, _ in answers))
+        return (golds[0] if len(golds) == 1 else golds), answers[0][1]
     text = str(raw)
     fmt = answer_format_of(text) if answer_format == "auto" else answer_format
     if fmt == "gsm8k":
         return (text.split("####")[-1].strip().replace(",", "") if "####" in text else None), fmt
     if fmt == "boxed":
-        return extract_boxed(text), fmt
+        boxes = list(dict.fromkeys(b.strip() for b in extract_boxes(text)))
+        return (None if not boxes else boxes[0] if len(boxes) == 1 else boxes), fmt
     return text.strip(), fmt
 
 
@@ -608,8 +646,10 @@ def check_golds(task: Task, answer_format: str = "auto") -> None:
     dropped with one warning (count and the first `file:line`); when most rows are, the dataset is refused with one
     line that says what the answers look like and which flag fixes it."""
     answers = [p["answer"] for p in task.problems]
-    if task.kind == "math":
-        parses = math_golds_parse(answers)
+    if task.kind == "math":  # a gold of several answers: every one of them parses
+        flat = [a for answer in answers for a in (answer if isinstance(answer, list) else [answer])]
+        parsed = iter(math_golds_parse(flat))
+        parses = [all([next(parsed) for _ in (a if isinstance(a, list) else [a])]) for a in answers]
     else:
         parses = [_last_number(str(a)) is not None for a in answers]
     bad = [i for i, ok in enumerate(parses) if not ok]
@@ -800,6 +840,27 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def extract_boxes(text: str) -> list[str]:
+    """The content of every closed `\\boxed{...}` of `text`, in order (a box inside another counts once, as part of
+    the outer one)."""
+    if not isinstance(text, str):
+        return []
+    out, end = [], 0
+    for box in _BOXED_RE.finditer(text):
+        if box.start() < end:
+            continue  # inside the previous box
+        depth = 1
+        for m in _BRACE_RE.finditer(text, box.end()):
+            depth += {"{": 1, "}": -1}.get(m.group(), 0)
+            if depth == 0:
+                out.append(text[box.end() : m.start()])
+                end = m.end()
+                break
+        else:
+            break  # never closed: nothing after it is a box of its own
+    return out
+
+
 def extract_code(text: str) -> str:
     """The last fenced code block (```lang ... ```); the code after the last fence if that block is
     never closed (a truncated generation); else the text itself, unchanged (HumanEval completions
@@ -891,139 +952,17 @@ def _gold_latex(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-# The math worker (sandbox/math_worker.py), read once here: a worker runs this copy with `python -I -S -c` and never reads
-# the file from disk (which a sandboxed program could have rewritten where writes are not stopped).
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox", "math_worker.py"), encoding="utf-8") as _f:
-    _MATH_WORKER_SRC = _f.read()
-del _f
-
-
-class _MathWorker:
-    """Handle on one worker process; used by one thread at a time."""
-
-    STARTUP_TIMEOUT_S = 120.0  # importing sympy and math-verify, on a busy machine
-
-    def __init__(self) -> None:
-        self.owner_pid = os.getpid()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _MATH_WORKER_SRC, json.dumps(_SITE_DIRS)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            bufsize=0,
-        )
-        self.pending = b""
-        self.request_id = 0
-        self.ready = False
-
-    def _read_line(self, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        stdout_fd = self.proc.stdout.fileno()
-        poller = select.poll()
-        poller.register(stdout_fd, select.POLLIN)
-        while b"\n" not in self.pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("math worker timed out")
-            if not poller.poll(min(remaining, 60.0) * 1000):  # poll() refuses huge timeouts
-                continue
-            chunk = os.read(stdout_fd, 4096)
-            if not chunk:
-                raise EOFError("math worker exited")
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return line
-
-    def ask(self, gold_latex: str, pred_latex: str | None, timeout: float) -> bool:
-        """Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
-        if not self.ready:
-            if self._read_line(self.STARTUP_TIMEOUT_S) != b"ready":
-                raise OSError("math worker did not start")
-            self.ready = True
-        self.request_id += 1
-        data = (json.dumps([self.request_id, gold_latex, pred_latex]) + "\n").encode()
-        while data:
-            data = data[os.write(self.proc.stdin.fileno(), data) :]
-        reply_id, verdict = self._read_line(timeout).split()
-        if int(reply_id) != self.request_id:
-            raise OSError("math worker out of sync")
-        return verdict == b"1"
-
-    def close(self) -> None:
-        if os.getpid() != self.owner_pid:
-            return  # inherited through fork: the parent owns the process
-        try:
-            self.proc.kill()
-            self.proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-
-_math_pool: list[_MathWorker] = []  # idle workers
-_math_pool_lock = threading.Lock()
-_math_slots = threading.BoundedSemaphore(_num_cores())  # at most one busy worker per core
-
-
-def _borrow_math_worker() -> _MathWorker:
-    with _math_pool_lock:
-        if _math_pool:
-            return _math_pool.pop()
-    return _MathWorker()
-
-
-def _return_math_worker(worker: _MathWorker) -> None:
-    with _math_pool_lock:
-        if worker.owner_pid == os.getpid() and len(_math_pool) < _num_cores():
-            _math_pool.append(worker)
-            return
-    worker.close()
-
-
-def close_math_workers() -> None:
-    """Stop the idle math worker processes (also done at exit)."""
-    with _math_pool_lock:
-        workers = _math_pool[:]
-        _math_pool.clear()
-    for worker in workers:
-        worker.close()
-
-
-def _after_fork_in_child() -> None:
-    """A forked child starts with no workers and free slots (the inherited ones are the parent's)."""
-    global _math_pool, _math_pool_lock, _math_slots
-    _math_pool, _math_pool_lock = [], threading.Lock()
-    _math_slots = threading.BoundedSemaphore(_num_cores())
-
-
-_math_hooks_registered = False
-
-
-def _register_math_hooks() -> None:
-    """At the first request, not at import: the fork hook (a child starts with no workers and free slots)
-    and the exit hook (the idle workers are stopped)."""
-    global _math_hooks_registered
-    with _math_pool_lock:
-        if not _math_hooks_registered:
-            _math_hooks_registered = True
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            atexit.register(close_math_workers)
-
-
 def _squash(latex: str) -> str:
     return re.sub(r"\s+", "", latex)
 
 
-def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -> float:
+def math_reward(completion: str, answer: str | list[str], timeout: float = MATH_TIMEOUT_S) -> float:
     """1.0 if the LAST `\\boxed{...}` of `completion` is equal to `answer` per math-verify, else 0.0.
 
     Strict: no box (or an unclosed last box) scores 0.0, only the last box counts, the gold is
-    parsed first and passed first to `verify`. Accepts what math-verify 0.9.0 accepts (equivalent
+    parsed first and passed first to `verify`. A gold of several answers (a list, read_answer) is their set: the
+    prediction is every distinct box of the completion (or one box listing them) and must name each gold answer
+    and nothing else, in any order. Accepts what math-verify 0.9.0 accepts (equivalent
     fractions/decimals, `\\dfrac`, units in `\\text{}`, `50\\%` vs 50 or 0.5, intervals and sets up to
     order, symbolic equivalence via sympy, `x = 2` vs 2) and inherits its known false positives
     (`1/2^98` vs `1/2^99`, `(1,2)` vs `\\{1,2\\}`) and failures (`\\mathrm{e}` inside `\\frac` does not
@@ -1042,8 +981,8 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
     try:
         if not isinstance(completion, str) or answer is None:
             return 0.0
-        answer = str(answer)
-        content = extract_boxed(completion)
+        content = math_prediction(completion, answer)
+        answer = _joined_gold(answer)
         if content is None or not content.strip() or not answer.strip():
             return 0.0
         if len(content) > _MAX_ANSWER_CHARS or _EXPLOSIVE_RE.search(content):
@@ -1051,42 +990,26 @@ def math_reward(completion: str, answer: str, timeout: float = MATH_TIMEOUT_S) -
         gold = _gold_latex(answer)
         if gold != answer.strip() and _squash(content) == _squash(answer):
             return 1.0  # the prediction is written exactly as the (bare) gold
-        return 1.0 if _ask_math_worker(gold, "\\boxed{" + content + "}", timeout, deadline) else 0.0
+        return 1.0 if math_pool.ask(gold, "\\boxed{" + content + "}", timeout, deadline) else 0.0
     except Exception:  # noqa: BLE001 - a reward never raises
         log.debug("math_reward scored 0.0 after an error", exc_info=True)
         return 0.0
 
 
-def _ask_math_worker(gold_latex: str, pred_latex: str | None, timeout: float, deadline: float) -> bool:
-    """One request to a free math worker (at most one busy worker per core), answered by `deadline`; False when
-    none is free in time, it times out (killed and replaced) or fails. Never raises."""
-    worker = None
-    _register_math_hooks()
-    try:
-        slots = _math_slots
-        if not slots.acquire(timeout=min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)):
-            log.warning("math worker: none free within %.1f s, answered False", timeout)
-            return False
-        try:
-            worker = _borrow_math_worker()
-            ok = worker.ask(gold_latex, pred_latex, max(deadline - time.monotonic(), 1e-3))
-            _return_math_worker(worker)
-            worker = None
-        finally:
-            slots.release()
-        return ok
-    except TimeoutError:
-        log.info("math worker timed out after %.1f s, answered False; worker replaced", timeout)
-        return False
-    except (EOFError, OSError) as exc:
-        log.warning("math worker failed, answered False: %r", exc)
-        return False
-    except Exception:  # noqa: BLE001 - never raises
-        log.debug("math worker request failed", exc_info=True)
-        return False
-    finally:
-        if worker is not None:  # timed out, died or interrupted mid-request: never reuse it
-            worker.close()
+def _joined_gold(answer: str | list[str]) -> str:
+    """A gold of several answers as one comma-separated list (math-verify compares it as a set); else the gold."""
+    if isinstance(answer, (list, tuple)):
+        return ", ".join(str(a).strip().strip("$").strip() for a in answer) if len(answer) > 1 else str(answer[0])
+    return str(answer)
+
+
+def math_prediction(completion: str, answer: str | list[str]) -> str | None:
+    """The answer math_reward reads off a completion: its last box; for a gold of several answers, every distinct box
+    (joined by commas when there are several). None without a closed box."""
+    if isinstance(answer, (list, tuple)) and len(answer) > 1:
+        boxes = list(dict.fromkeys(b.strip() for b in extract_boxes(completion)))
+        return ", ".join(boxes) if boxes else None
+    return extract_boxed(completion)
 
 
 def math_golds_parse(answers: list[str], workers: int | None = None, timeout: float = MATH_TIMEOUT_S) -> list[bool]:
@@ -1095,7 +1018,7 @@ def math_golds_parse(answers: list[str], workers: int | None = None, timeout: fl
 
     def one(answer: str) -> bool:
         answer = str(answer).strip()
-        return bool(answer) and _ask_math_worker(_gold_latex(answer), None, timeout, time.monotonic() + timeout)
+        return bool(answer) and math_pool.ask(_gold_latex(answer), None, timeout, time.monotonic() + timeout)
 
     workers = max(1, min(workers or _num_cores(), len(answers) or 1))
     with ThreadPoolExecutor(workers) as pool:
@@ -1275,6 +1198,81 @@ def code_rewards_batch(
     workers = max(1, min(workers or _num_cores(), len(completions) or 1))
     with ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda pair: code_reward(pair[0], pair[1], timeout), zip(completions, problems)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation graders: an evaluation set's verdicts and the answer each read off its completion
+# ---------------------------------------------------------------------------------------------
+
+# lm-evaluation-harness, lm_eval/tasks/gsm8k/gsm8k.yaml: its two answer filters and exact_match's normalisation
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")  # strict-match: the first '#### N'
+_GSM8K_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")  # flexible-extract: group_select -1, the last number
+_GSM8K_IGNORE = [re.compile(p) for p in (",", r"\$", r"(?s).*#### ", r"\.$")]  # regexes_to_ignore, then lower case
+
+
+def gsm8k_answer(completion: str, strict: bool) -> str | None:
+    """lm-eval's GSM8K answer of a completion: the first '#### N' (strict) or the last number (flexible); None when
+    there is none (lm-eval's '[invalid]')."""
+    if not isinstance(completion, str):
+        return None
+    matches = (_GSM8K_STRICT if strict else _GSM8K_FLEXIBLE).findall(completion)
+    if not matches:
+        return None
+    match = matches[0] if strict else matches[-1]
+    if isinstance(match, tuple):  # the flexible regex's two groups: the one that matched
+        match = next((m for m in match if m), "")
+    return match.strip() or None
+
+
+def _lm_eval_normalised(text: str) -> str:
+    for pattern in _GSM8K_IGNORE:
+        text = pattern.sub("", text)
+    return text.strip().lower()
+
+
+def gsm8k_reward(completion: str, answer: str, strict: bool) -> float:
+    """1.0 if lm-eval's GSM8K answer (gsm8k_answer) equals the gold after lm-eval's exact_match normalisation
+    (',', '$', a trailing '.' removed; case ignored), else 0.0."""
+    pred = gsm8k_answer(completion, strict)
+    return float(pred is not None and answer is not None and _lm_eval_normalised(pred) == _lm_eval_normalised(str(answer)))
+
+
+def arith_answer(completion: str) -> str | None:
+    """The number arith_reward reads off a completion: the one number of its last box, else its last number."""
+    if not isinstance(completion, str):
+        return None
+    boxed = extract_boxed(completion)
+    if boxed is None:
+        return _last_number(completion)
+    found = _NUMBER_RE.findall(re.sub(r"\{,\}|\\[!,;: ]|\$", lambda m: "," if m.group() == "{,}" else "", boxed))
+    return _canonical_number(found[0]) if len(found) == 1 else None
+
+
+def grade(
+    task: Task, grader: str, problems: Sequence[dict], completions: Sequence[str]
+) -> tuple[list[float], list[str | None]]:
+    """Verdicts of an evaluation set's grader (auto: the task's own reward kind; one of ANSWER_GRADERS; code):
+    (the reward of each completion, the answer the grader read off it; None where it reads none, and for the code
+    and custom graders, which read no answer). The task's own kind goes through compute_rewards (the sandbox's
+    retry, a custom reward's checks)."""
+    if grader in ("auto", task.kind, "code", "custom"):
+        rewards = compute_rewards(task, problems, completions)
+        grader = task.kind
+    elif grader == "math":
+        rewards = math_rewards_batch(list(completions), [p["answer"] for p in problems])
+    elif grader == "arith":
+        rewards = [arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
+    else:
+        rewards = [gsm8k_reward(c, p["answer"], grader == "gsm8k-strict") for c, p in zip(completions, problems)]
+    if grader == "math":
+        answers = [math_prediction(c, p["answer"]) for c, p in zip(completions, problems)]
+    elif grader == "arith":
+        answers = [arith_answer(c) for c in completions]
+    elif grader.startswith("gsm8k"):
+        answers = [gsm8k_answer(c, grader == "gsm8k-strict") for c in completions]
+    else:
+        answers = [None] * len(completions)
+    return rewards, answers
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ class ReferenceHFEngine(engines.HFEngine):
     """HFEngine with transformers' `generate` as its sampler (torch's global generator, whatever the seed): the
     reference its sampling loop is tested against (the same distribution, the same log-probs of what it draws)."""
 
-    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None):
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0):
         """HFEngine._sample through transformers' `generate`: every row prefilled and stepped to the chunk's longest."""
         from transformers import GenerationConfig
 
@@ -27,7 +27,7 @@ class ReferenceHFEngine(engines.HFEngine):
             gen = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
-                generation_config=self.sampling_config(max_new_tokens, temperature),
+                generation_config=self.sampling_config(max_new_tokens, temperature, top_p),
                 synced_gpus=synced,
             )
         finally:
@@ -39,16 +39,27 @@ class ReferenceHFEngine(engines.HFEngine):
         scores = torch.stack(gen.scores, dim=1).float()  # (R, t, V)
         return new_tokens, torch.log_softmax(scores, dim=-1).gather(2, new_tokens[..., None]).squeeze(2)
 
-    def sampling_config(self, max_new_tokens: int, temperature: float):
+    def sampling_config(self, max_new_tokens: int, temperature: float, top_p: float = 1.0):
         """Plain sampling from softmax(logits / temperature), the distribution completion_logps scores: no top-k,
-        top-p, min-p, repetition or length penalty, suppressed or forced tokens."""
+        min-p, repetition or length penalty, suppressed or forced tokens; top-p only where asked (evaluation);
+        temperature 0: greedy."""
         from transformers import GenerationConfig
 
+        if temperature == 0:
+            return GenerationConfig(
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=self.pad_id,
+                eos_token_id=sorted(self.eos_ids),
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_scores=self.return_logps,
+            )
         return GenerationConfig(
             do_sample=True,
             temperature=temperature,
             top_k=0,
-            top_p=1.0,
+            top_p=top_p,
             max_new_tokens=max_new_tokens,
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids),
