@@ -150,7 +150,7 @@ class Timers:
 # ----- 1. the mini-batch plan (engine.wake, the weight sync, is in engines.py)
 
 
-# every seed a run derives from --seed, in one place (rank_seed adds the first, evaluation.eval_seed EVAL_SEED_OFFSET,
+# every seed a run derives from --seed, in one place (run.rank_seed adds the first, evaluation.eval_seed EVAL_SEED_OFFSET,
 # models.add_lora LORA_SEED_OFFSET; the data splits' seeds: verifiers.ARITH_EVAL_SEED_OFFSET, HOLDOUT_SHUFFLE_SEED)
 RANK_SEED_STRIDE = 1_000_003  # rank r samples from seed + 1_000_003 * r (rank 0 is a one-process run)
 SAMPLER_SEED_STRIDE = 1_000_003  # the prompt order of epoch e: seed * 1_000_003 + e
@@ -159,11 +159,6 @@ ROUND_SEED_STRIDE = 10_000_019  # dynamic sampling's round k of step s samples w
 EVAL_SEED_OFFSET = 12345  # evaluation samples: seed + 12345 (the same samples before and after training)
 
 LORA_SEED_OFFSET = 7919  # LoRA's A matrices (models.add_lora): seed + 7919, the same on every rank
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The sampling seed of rank `rank` (rank 0: `seed` itself, a one-process run's)."""
-    return seed + RANK_SEED_STRIDE * rank
 
 
 def minibatch_generator(seed: int, step: int) -> torch.Generator:

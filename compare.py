@@ -331,7 +331,10 @@ def set_protocol(run: Run, prefix: str) -> str:
     row = rows[-1]
     if f"{prefix}protocol" in row:
         return str(row[f"{prefix}protocol"])
-    n, t = row.get(f"{prefix}n_samples", row.get("eval/n_samples")), row.get(f"{prefix}temperature", row.get("eval/temperature"))
+    n, t = (
+        row.get(f"{prefix}n_samples", row.get("eval/n_samples")),
+        row.get(f"{prefix}temperature", row.get("eval/temperature")),
+    )
     return f"n={n} T={t} (an older run: no protocol recorded)"
 
 
@@ -346,7 +349,11 @@ def describe_protocol(run: Run, prefix: str) -> str:
     if t == 0:
         parts.append("greedy")
     elif n is not None:
-        parts.append(f"n {n}, T {t:g}" + (f", top-p {get('top_p'):g}" if get("top_p") is not None else ""))
+        parts.append(
+            f"n {n}"
+            + (f", T {t:g}" if t is not None else "")
+            + (f", top-p {get('top_p'):g}" if get("top_p") is not None else "")
+        )
     if get("max_new_tokens") is not None:
         parts.append(f"{get('max_new_tokens')} tokens")
     if get("grader") is not None:
@@ -847,11 +854,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tables = eval_tables(groups)
-    for label, prefix, _, set_groups in tables:
-        print(eval_table(label, prefix, set_groups) + "\n")
-    if tables:
-        print(SCORE_LEGEND + "\n")
     print(table(groups))
+    for label, prefix, _, set_groups in tables:
+        print("\n" + eval_table(label, prefix, set_groups))
+    if tables:
+        print("\n" + SCORE_LEGEND)
     for w in protocol_notes(tables) + warnings_for(groups) + nan_notes(groups, eval_keys(groups) + metrics):
         print(w)
     if metrics:

@@ -3,8 +3,8 @@
 
 protocols     EvalProtocol, EVAL_PRESETS (a registry set's protocol, naming its public source), protocols(args): the
               run-wide flags, a preset, --eval-protocol SET.FIELD=VALUE, checked before anything loads
-sets          EvalSet, load_sets(args, tokenizer, train_task): every set whole (a hold-out only from the training
-              source), its protocol and its prompts
+sets          EvalSet, load_sets(args, train_task): every set whole (a hold-out only from the training source) with its
+              protocol; make_prompts
 evaluation    run_evaluation -> evaluate_sets -> evaluate: pass@1 (avg@n), pass@k, maj@k, each with its standard error
               over problems; its row, every completion (write_completions), one line per set; eval_seed,
               print_summary, rescore (a kept evaluation scored again by another grader, nothing generated)
@@ -152,7 +152,9 @@ def overrides(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict[str
         if not eq or not dot or not label:
             raise UserError(f"--eval-protocol {item}: write SET.FIELD=VALUE, e.g. aime24.n=16 or *.max_new_tokens=4096")
         if name not in SET_FIELDS:
-            raise UserError(f"--eval-protocol {item}: {name!r} is not a field of an evaluation set; its fields: {', '.join(SET_FIELDS)}")
+            raise UserError(
+                f"--eval-protocol {item}: {name!r} is not a field of an evaluation set; its fields: {', '.join(SET_FIELDS)}"
+            )
         if label != "*" and label not in out:
             raise UserError(
                 f"--eval-protocol {item}: {label} is not an evaluation set of this run (its sets: {', '.join(labels)}; "
@@ -196,7 +198,9 @@ def protocols(args, notes: bool = False) -> dict[str, EvalProtocol]:
     out, ignored = {}, {}
     for name, label in zip(names, labels):
         own = per_set[label]
-        named = name in EVAL_PRESETS or (verifiers.eval_set_source(name) != name and label in EVAL_PRESETS)  # NAME or NAME=FILE
+        named = name in EVAL_PRESETS or (
+            verifiers.eval_set_source(name) != name and label in EVAL_PRESETS
+        )  # NAME or NAME=FILE
         preset = own.get("preset", label if named else "")
         if preset and preset not in EVAL_PRESETS:
             raise UserError(f"--eval-protocol {label}.preset={preset}: no such preset; the presets: {', '.join(EVAL_PRESETS)}")
@@ -210,19 +214,24 @@ def protocols(args, notes: bool = False) -> dict[str, EvalProtocol]:
         protocol = EvalProtocol(**{**fields, **own, "preset": preset})
         if preset and own:
             changed = ", ".join(f"{f}={v}" for f, v in own.items() if f != "preset")
-            protocol = dataclasses.replace(protocol, source=protocol.source + (f"; changed here: {changed}" if changed else ""))
+            protocol = dataclasses.replace(
+                protocol, source=protocol.source + (f"; changed here: {changed}" if changed else "")
+            )
         problem = protocol_problem(protocol, origin)
         if problem:
             raise UserError(f"evaluation set {label}: {problem}")
         out[label] = protocol
-    defaults = {f.name: f.default for f in dataclasses.fields(type(args))} if dataclasses.is_dataclass(args) else {}
-    for field, flag in RUN_WIDE.items():
+    defaults = {  # the flags' defaults (a list's: its factory's)
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in (dataclasses.fields(type(args)) if dataclasses.is_dataclass(args) else ())
+    }
+    for name, flag in RUN_WIDE.items():
         given = getattr(args, flag) != defaults.get(flag, getattr(args, flag))
-        sets = [label for label, fields in ignored.items() if field in fields]
+        sets = [label for label, fields in ignored.items() if name in fields]
         if notes and given and sets:
             print(
-                f"note: {flag_of[field]} applies to evaluation sets without a preset; {', '.join(sets)} keep their "
-                f"preset's {field} (set it with --eval-protocol {sets[0]}.{field}=...)",
+                f"note: {flag_of[name]} applies to evaluation sets without a preset; {', '.join(sets)} keep their "
+                f"preset's {name} (set it with --eval-protocol {sets[0]}.{name}=...)",
                 file=sys.stderr,
             )
     return out
@@ -258,8 +267,6 @@ def protocol_problem(p: EvalProtocol, origin: dict[str, str]) -> str | None:
     return None
 
 
-
-
 # ----- the sets: every set whole (a hold-out only from the training source), with its protocol and prompts
 
 
@@ -288,9 +295,9 @@ class EvalSet:
         return text
 
 
-def load_sets(args, tokenizer, train_task: verifiers.Task | None = None) -> list[EvalSet]:
+def load_sets(args, train_task: verifiers.Task | None = None) -> list[EvalSet]:
     """The run's evaluation sets (`--eval-dataset a b c`; none: the held-out split of --dataset), each with its protocol
-    (protocols), cut to its limit (0: all) and its prompts made. `NAME=FILE` is a registry set's copy in a local file:
+    (protocols), cut to its limit (0: all); make_prompts makes their prompts. `NAME=FILE` is a registry set's copy in a local file:
     its label, preset and field names, the file's rows. A named set is used whole; the hold-out is carved only from
     --dataset itself when the run trains on it (verifiers.training_holdout), and then one line says how many problems
     each side got. Two sets with the same label are one error."""
@@ -308,7 +315,8 @@ def load_sets(args, tokenizer, train_task: verifiers.Task | None = None) -> list
         protocol = by_label[label]
         registry = verifiers.HUB_DATASETS.get(protocol.preset, {}) if source not in verifiers.HUB_DATASETS else {}
         fields = dict(  # a copy of a registry set: the registry's field names, unless the protocol names others
-            question_field=protocol.question_field or registry.get("q"), answer_field=protocol.answer_field or registry.get("a")
+            question_field=protocol.question_field or registry.get("q"),
+            answer_field=protocol.answer_field or registry.get("a"),
         )
         answer_format = protocol.answer_format
         if answer_format == "auto" and registry:
@@ -317,10 +325,12 @@ def load_sets(args, tokenizer, train_task: verifiers.Task | None = None) -> list
         task = verifiers.load_task(
             source, "eval", args.seed, **fields, holdout=holdout if own else 0, reward=args.reward, answer_format=answer_format
         )
-        grader = {"code": "code", "custom": "custom"}.get(task.kind, task.kind) if protocol.grader == "auto" else protocol.grader
+        grader = (
+            {"code": "code", "custom": "custom"}.get(task.kind, task.kind) if protocol.grader == "auto" else protocol.grader
+        )
         if (grader == "code") != (task.kind == "code"):
             raise UserError(
-                f"evaluation set {label}: grader {grader} does not fit its {task.kind} problems (grader auto takes the set's own)"
+                f"evaluation set {label}: grader {grader} does not fit its {task.kind} problems (grader auto: the set's own)"
             )
         if protocol.maj and grader in ("code", "custom"):
             raise UserError(f"evaluation set {label}: maj@k votes over extracted answers; the {grader} grader extracts none")
@@ -337,13 +347,18 @@ def load_sets(args, tokenizer, train_task: verifiers.Task | None = None) -> list
                 "for training (a source named in --eval-dataset is used whole)",
                 flush=True,
             )
-        p = protocol
-        eval_set.prompts = [
-            common.format_prompt(tokenizer, q["question"], p.instruction, p.system_prompt or None, p.template)
-            for q in task.problems
-        ]
         sets.append(eval_set)
     return sets
+
+
+def make_prompts(eval_sets: Sequence[EvalSet], tokenizer) -> None:
+    """Each set's prompt token ids (EvalSet.prompts), in its protocol's template, instruction and system prompt."""
+    for s in eval_sets:
+        p = s.protocol
+        s.prompts = [
+            common.format_prompt(tokenizer, q["question"], p.instruction, p.system_prompt or None, p.template)
+            for q in s.task.problems
+        ]
 
 
 # ----- evaluation: the scores of every set, their errors, every completion, one line per set
@@ -418,7 +433,7 @@ def evaluate(engine, eval_set: EvalSet, seed: int | None = None) -> tuple[dict, 
     sampling = dict(seed=seed, desc=f"eval {eval_set.label}", top_p=p.top_p)
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
-            torch.manual_seed(common.rank_seed(seed, w.rank))
+            torch.manual_seed(seed + common.RANK_SEED_STRIDE * w.rank)  # run.rank_seed
         if mine is None:
             rollout = engine.generate(prompts, n, p.max_new_tokens, p.temperature, **sampling)
         else:
@@ -481,7 +496,12 @@ def evaluate(engine, eval_set: EvalSet, seed: int | None = None) -> tuple[dict, 
     records = []
     for i in range(N):
         problem = task.problems[i]
-        head = {"problem": i, "id": problem_id(task, i), "question": problem.get("question", ""), "answer": problem.get("answer")}
+        head = {
+            "problem": i,
+            "id": problem_id(task, i),
+            "question": problem.get("question", ""),
+            "answer": problem.get("answer"),
+        }
         for j in range(n):
             r = i * n + j
             records.append(
@@ -513,7 +533,9 @@ def evaluate_sets(engine, eval_sets: Sequence[EvalSet], seed: int | None = None)
     return metrics, per_set
 
 
-def run_evaluation(args, engine, eval_sets: Sequence[EvalSet], logger: common.RunLogger, step: int, update: int, t_start: float) -> dict:
+def run_evaluation(
+    args, engine, eval_sets: Sequence[EvalSet], logger: common.RunLogger, step: int, update: int, t_start: float
+) -> dict:
     """The run's evaluation at `step`: evaluate_sets under each set's protocol with the evaluation's own seed, its row in
     metrics.jsonl, every completion kept (write_completions), one console line per set (and one when most answers
     were cut at the token budget). Returns its metrics."""
@@ -521,20 +543,31 @@ def run_evaluation(args, engine, eval_sets: Sequence[EvalSet], logger: common.Ru
     logger.log({"step": step, "update": update, "wall_s": time.time() - t_start, **metrics})
     write_completions(logger, step, per_set, eval_sets)
     for eval_set in eval_sets:
-        own = metrics if len(eval_sets) == 1 else {f"eval/{k.split('/', 2)[-1]}": v for k, v in metrics.items() if k.startswith(f"eval/{eval_set.label}/")}
+        own = set_metrics(metrics, "eval/" if len(eval_sets) == 1 else f"eval/{eval_set.label}/")
         common.CONSOLE.info(eval_console_line(None if args.eval_only else step, args.total_steps, eval_set, own))
         cut = own["eval/truncated_frac"]
         if cut > 0.5:
-            fix = "--eval-max-new-tokens" if not eval_set.protocol.preset else f"--eval-protocol {eval_set.label}.max_new_tokens=N"
+            fix = (
+                "--eval-max-new-tokens"
+                if not eval_set.protocol.preset
+                else f"--eval-protocol {eval_set.label}.max_new_tokens=N"
+            )
             common.CONSOLE.warning(
-                f"warning: eval {eval_set.label}: {100 * cut:.0f}% of the answers were cut at {eval_set.protocol.max_new_tokens} "
-                f"tokens (mean length {own['eval/response_len_mean']:.1f}): their scores say little; raise {fix}"
+                f"warning: eval {eval_set.label}: {100 * cut:.0f}% of the answers were cut at "
+                f"{eval_set.protocol.max_new_tokens} tokens (mean length {own['eval/response_len_mean']:.1f}): their scores say little; raise {fix}"
             )
     return metrics
 
 
+def set_metrics(metrics: dict | None, prefix: str) -> dict:
+    """One set's keys of an evaluation's metrics as eval/...: eval/<label>/pass@1 -> eval/pass@1 (prefix eval/: all)."""
+    return {f"eval/{k[len(prefix) :]}": v for k, v in (metrics or {}).items() if k.startswith(prefix)}
+
+
 def score_text(metrics: dict, key: str) -> str:
-    """`0.3075 ± 0.0321` (± one standard error over problems), or the value alone where there is none."""
+    """`0.3075 ± 0.0321` (± one standard error over problems), the value alone where there is none, n/a without it."""
+    if key not in metrics:
+        return "n/a"
     se = metrics.get(f"{key}_se")
     return f"{metrics[key]:.4f}" + (f" ± {se:.4f}" if se is not None else "")
 
@@ -550,14 +583,16 @@ def eval_console_line(step: int | None, total: int, eval_set: EvalSet, metrics: 
     0.3075 ± 0.0321 | ... | length 12.3, cut 0%`: a set's scores beside its protocol (± a standard error over problems).
     `step` None: an evaluation alone (--eval-only)."""
     p = eval_set.protocol
-    names = {f"eval/pass@1": f"pass@1 ({p.estimator})"}
+    names = {"eval/pass@1": f"pass@1 ({p.estimator})"}
     scores = [f"{names.get(k, k[len('eval/') :])} {score_text(metrics, k)}" for k in score_keys(metrics)]
     where = "eval" if step is None else f"eval step {step}/{total}"
     cut = f"length {metrics['eval/response_len_mean']:.1f}, cut {100 * metrics['eval/truncated_frac']:.0f}%"
     return " | ".join([where, f"{eval_set.label}: {eval_set.scope()}, {p.describe()}", *scores, cut])
 
 
-def write_completions(logger: common.RunLogger, step: int, per_set: dict[str, list[dict]], eval_sets: Sequence[EvalSet]) -> None:
+def write_completions(
+    logger: common.RunLogger, step: int, per_set: dict[str, list[dict]], eval_sets: Sequence[EvalSet]
+) -> None:
     """Every completion of the evaluation at `step`, one file per set: eval_completions_step<step>_<set>.jsonl (its
     problem and id, question, gold, text, token count, finish reason, the answer read off, verdict), enough to score
     it again (rescore) or take another estimator. samples.jsonl keeps each set's first 4 problems' first sample (a
@@ -573,13 +608,20 @@ def write_completions(logger: common.RunLogger, step: int, per_set: dict[str, li
         n = eval_set.protocol.n
         with open(os.path.join(logger.run_dir, "samples.jsonl"), "a") as f:
             for r in records[: 4 * n : n]:
-                sample = {"question": r["question"][:500], "answer": r["answer"], "completion": r["text"], "reward": r["reward"]}
+                sample = {
+                    "question": r["question"][:500],
+                    "answer": r["answer"],
+                    "completion": r["text"],
+                    "reward": r["reward"],
+                }
                 f.write(json.dumps({"step": step, "tag": "eval", **extra, **sample}, default=str) + "\n")
     with open(os.path.join(logger.run_dir, "eval_protocols.json"), "w") as f:
         json.dump({s.label: dataclasses.asdict(s.protocol) | {"problems": s.scope()} for s in eval_sets}, f, indent=2)
 
 
-def print_summary(title: str, before: dict | None, after: dict | None, timers: dict, wall: float, eval_sets: Sequence[EvalSet] = ()) -> None:
+def print_summary(
+    title: str, before: dict | None, after: dict | None, timers: dict, wall: float, eval_sets: Sequence[EvalSet] = ()
+) -> None:
     """The end of a run: per set its protocol, then each score before and after (± a standard error over problems),
     and the wall time by phase."""
     common.CONSOLE.info(f"\n===== {title} =====")
@@ -587,19 +629,18 @@ def print_summary(title: str, before: dict | None, after: dict | None, timers: d
     sets = list(eval_sets) or [None]
     for eval_set in sets:
         prefix = "eval/" if eval_set is None or len(sets) == 1 else f"eval/{eval_set.label}/"
-        own = lambda m: {f"eval/{k[len(prefix) :]}": v for k, v in (m or {}).items() if k.startswith(prefix)}
+        b, a = set_metrics(before, prefix), set_metrics(after, prefix)
         if eval_set is not None:
             common.CONSOLE.info(f"{eval_set.label}: {eval_set.scope()}, {eval_set.protocol.describe()}")
-        b, a = own(before), own(after)
-        keys = score_keys(own(shown))
-        width = max([14, *(len(prefix) + len(k) - len("eval/") for k in keys)])
-        for key in keys:
-            name = prefix + key[len("eval/") :]
-            text = lambda m: score_text(m, key) if key in m else "n/a"
+        names = {k: prefix + k[len("eval/") :] for k in score_keys(set_metrics(shown, prefix))}
+        if eval_set is not None:
+            names["eval/pass@1"] = f"{prefix}pass@1 ({eval_set.protocol.estimator})"
+        width = max([14, *map(len, names.values())])
+        for key, name in names.items():
             if before is None:  # an evaluation alone: one value per metric
-                common.CONSOLE.info(f"{name:{width}s} {text(a)}")
+                common.CONSOLE.info(f"{name:{width}s} {score_text(a, key)}")
             else:
-                common.CONSOLE.info(f"{name:{width}s} before {text(b)}  after {text(a)}")
+                common.CONSOLE.info(f"{name:{width}s} before {score_text(b, key)}  after {score_text(a, key)}")
     if any(k.endswith("_se") for k in shown):
         common.CONSOLE.info("(± one standard error over problems; compare.py: intervals over seeds)")
     common.CONSOLE.info(
@@ -612,7 +653,9 @@ def rescore(path: str, grader: str, k: Sequence[int] = (), maj: Sequence[int] = 
     its texts and golds alone: nothing is generated. Returns pass@1, pass@k and maj@k with their standard errors, as
     evaluate does (`python evaluation.py rescore FILE --grader gsm8k-strict`)."""
     if grader not in verifiers.ANSWER_GRADERS:
-        raise UserError(f"rescore: --grader must be one of {', '.join(verifiers.ANSWER_GRADERS)} (the code grader needs the tests)")
+        raise UserError(
+            f"rescore: --grader must be one of {', '.join(verifiers.ANSWER_GRADERS)} (the code grader needs the tests)"
+        )
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:

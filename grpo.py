@@ -129,9 +129,10 @@ def main(args: Args) -> None:
     run_dir = resume.run_dir if resume else outputs.make_run_dir(args)
     model_path = resume.model_dir if resume else args.model  # a LoRA checkpoint's: its base (adapters: lora)
     lora = models.lora_settings(args, resume)  # --lora-rank > 0: adapters on the frozen base; None: full fine-tuning
-    tokenizer = models.load_tokenizer(model_path)
     train_task = verifiers.load_training_task(args)  # data and scoring, gold answers checked (None: --eval-only)
-    eval_sets = evaluation.load_sets(args, tokenizer, train_task)  # each set whole, with its protocol and prompts
+    eval_sets = evaluation.load_sets(args, train_task)  # each set whole, with its protocol (docs/evaluation.md)
+    tokenizer = models.load_tokenizer(model_path)
+    evaluation.make_prompts(eval_sets, tokenizer)  # each set's prompts, in its template and instruction
     # every prompt against the model's context, before the weights load (a training prompt too long: dropped)
     train_task, max_model_len = models.fit_context(args, model_path, tokenizer, train_task, eval_sets)
     model = models.load_policy(args, model_path, device, lora)  # fp32 master weights; torchrun: FSDP2-sharded

@@ -270,7 +270,9 @@ def fit_context(args, model_path: str, tokenizer, train_task, eval_sets):
         longest, budget = max((len(p) for p in eval_set.prompts), default=0), eval_set.protocol.max_new_tokens
         eval_context = max(eval_context, longest + budget)
         if context is not None and longest + budget > context:
-            how = "--eval-max-new-tokens" if not eval_set.protocol.preset else f"--eval-protocol {eval_set.label}.max_new_tokens"
+            how = (
+                "--eval-max-new-tokens" if not eval_set.protocol.preset else f"--eval-protocol {eval_set.label}.max_new_tokens"
+            )
             raise UserError(
                 f"evaluation set {eval_set.label}: its longest prompt ({longest} tokens) plus its {budget} new tokens exceed "
                 f"the model's context of {context} tokens (max_position_embeddings in its config.json); lower {how} to at "

@@ -31,7 +31,6 @@ import common
 import engines
 import models
 import run
-import verifiers
 from verifiers import RunError, UserError
 
 # ----- the logger

@@ -622,7 +622,9 @@ def protocol_items(path: str, sets: dict) -> list[str]:
     items = []
     for label, fields in sets.items():
         if not isinstance(fields, dict):
-            raise UserError(f"--config {path}: eval_protocol.{label} must map fields to values, e.g. {{n: 16, temperature: 0.6}}")
+            raise UserError(
+                f"--config {path}: eval_protocol.{label} must map fields to values, e.g. {{n: 16, temperature: 0.6}}"
+            )
         for name, value in fields.items():
             text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else "" if value is None else str(value)
             items.append(f"{label}.{name}={text}")
@@ -712,10 +714,14 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(max(1, n))
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    return seed + common.RANK_SEED_STRIDE * rank
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, torch and numpy's global generators (what sampling draws from), each rank its own stream;
     everything every rank must agree on (prompt order, mini-batch plan) uses its own seeded generator."""
-    seed = common.rank_seed(seed, common.world().rank)
+    seed = rank_seed(seed, common.world().rank)
     random.seed(seed)
     torch.manual_seed(seed)
     try:

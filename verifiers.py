@@ -44,12 +44,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import sandbox
-from sandbox import math_pool
 from sandbox import (  # noqa: F401 - re-exported: verifiers.sandbox_mode(), verifiers.SandboxResult, ...
     CODE_TIMEOUT_S,
     FALLBACK_LIMITS,
@@ -57,6 +55,7 @@ from sandbox import (  # noqa: F401 - re-exported: verifiers.sandbox_mode(), ver
     NAMESPACE_MODES,
     SandboxResult,
     hide_from_sandbox,
+    math_pool,
     sandbox_mode,
 )
 from sandbox import num_cores as _num_cores

@@ -54,7 +54,9 @@ class ScriptedEngine:
         self.eos = tokenizer.eos_token_id
         self.with_logps = with_logps  # scripted engine log-probs (one per token, from the same seed): the mismatch path
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None):
+    def generate(
+        self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, group_ids=None, top_p=1.0
+    ):
         out = common.RolloutBatch(with_engine_logps=self.with_logps)
         for i, ids in enumerate(prompt_ids):
             g = group_ids[i] if group_ids is not None else i  # world size 1: prompt i is global group i

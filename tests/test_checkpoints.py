@@ -119,8 +119,8 @@ def test_resume_skips_a_broken_checkpoint_removes_tmp_and_tolerates_a_torn_metri
 
     grpo.main(_args(toy, tmp_path, "ignored", 4, save_every=1, keep_last=2, resume=str(run_path)))
     captured = capsys.readouterr()
-    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 2, captured.err
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:") and "were cut at" not in line]
+    assert len(warnings) == 2, captured.err  # (the tiny model's 3-token answers are cut: a warning of evaluation's)
     assert "step_000003 (trainer_state.pt is unreadable" in warnings[0] and "resuming from step_000002" in warnings[0]
     assert "metrics.jsonl: dropped 1 unparsable line" in warnings[1]
     assert "removed 1 half-written" in captured.out

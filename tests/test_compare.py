@@ -52,18 +52,19 @@ def test_mean_and_std_over_seeds(tmp_path, capsys):
     make_run(tmp_path, "gapo_s1", "gapo", 1, 0.2, 0.4)
     assert compare.main([str(tmp_path / "*"), "--no-plot"]) == 0
     out = capsys.readouterr().out
-    grpo_line = next(line for line in out.splitlines() if line.startswith("| grpo"))
-    # after: mean 0.4, sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414
-    assert "0.400 +- 0.141" in grpo_line and "2 (1,2)" in grpo_line
-    assert "0.600 +- 0.141" in grpo_line  # pass@4 after
+    grpo_line, grpo_scores = [line for line in out.splitlines() if line.startswith("| grpo")]  # times, then the scores
+    # after: mean 0.4, sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414; the 95 % t-interval's half-width over
+    # 2 seeds: t_{0.975, 1} * 0.1414 / sqrt(2) = 12.7062 * 0.1 = 1.2706
+    assert "0.400 ± 1.271" in grpo_scores and "2 (1,2)" in grpo_scores
+    assert "0.600 ± 1.271" in grpo_scores  # pass@4 after
     cells = [c.strip() for c in grpo_line.strip("|").split("|")]
     header = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
     assert cells[header.index("train s")] == "49 +- 0"
     assert cells[header.index("rollout s")] == "41 +- 0"  # 20 + 21
     assert cells[header.index("wall s")] == "100 +- 0"
     assert cells[header.index("other s (load, eval, scoring)")] == "9 +- 0"  # 100 - 41 - 49 - 1
-    gapo_line = next(line for line in out.splitlines() if line.startswith("| gapo"))
-    assert "0.400" in gapo_line and "+-" not in gapo_line.split("|")[4]  # one seed: no std shown
+    gapo_scores = [line for line in out.splitlines() if line.startswith("| gapo")][1]
+    assert "0.400" in gapo_scores and "±" not in gapo_scores.split("|")[4]  # one seed, no standard error logged: none
     assert "differ" not in out  # same configuration apart from the method
 
 
@@ -72,7 +73,7 @@ def test_mismatched_configurations_are_not_averaged(tmp_path, capsys):
     make_run(tmp_path, "b", "grpo", 2, 0.2, 0.5, lr=3e-5)
     compare.main([str(tmp_path / "a"), str(tmp_path / "b"), "--no-plot"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| grpo")]
+    rows = [line for line in out.splitlines() if line.startswith("| grpo")][:2]  # the times (the scores follow)
     assert len(rows) == 2  # two rows, not one averaged row
     assert "learning_rate=1e-05" in rows[0] and "learning_rate=3e-05" in rows[1]
     assert "grpo has 2 configurations" in out and "rows differ in: learning_rate" in out
@@ -233,18 +234,20 @@ def test_paired_differences_against_baseline(tmp_path, capsys):
         for x in capsys.readouterr().out.splitlines()
         if " - grpo |" in x
     }
-    # gapo: seed 1 +0.25, seed 2 -0.125 -> mean +0.0625, std sqrt(2 * 0.1875^2) = 0.2652; seeds 3 and 4 unmatched
+    # gapo: seed 1 +0.25, seed 2 -0.125 -> mean +0.0625, std sqrt(2 * 0.1875^2) = 0.2652, the 95 % t-interval's
+    # half-width t_{0.975, 1} * 0.2652 / sqrt(2) = 12.7062 * 0.1875 = 2.382; seeds 3 and 4 unmatched
     assert lines[("gapo - grpo", "eval/pass@1")] == (
-        "| gapo - grpo | eval/pass@1 | +0.0625 +- 0.2652 | 1: +0.25, 2: -0.125 | 1/2 positive | 4 (gapo only), 3 (grpo only) |"
+        "| gapo - grpo | eval/pass@1 | +0.0625 ± 2.382 | 1: +0.25, 2: -0.125 | 1/2 positive | 4 (gapo only), 3 (grpo only) |"
     )
     # mugrpo: +0.125 for every seed; pass@4 = pass@1 + 0.125 in both, so the same differences
     for key in ("eval/pass@1", "eval/pass@4"):
         assert lines[("mugrpo - grpo", key)] == (
-            f"| mugrpo - grpo | {key} | +0.125 +- 0 | 1: +0.125, 2: +0.125, 3: +0.125 | 3/3 positive | - |"
+            f"| mugrpo - grpo | {key} | +0.125 ± 0 | 1: +0.125, 2: +0.125, 3: +0.125 | 3/3 positive | - |"
         )
-    # codapo: 0, +0.25, -0.25 -> mean 0, std 0.25, a tie is neither positive nor negative
+    # codapo: 0, +0.25, -0.25 -> mean 0, std 0.25, half-width t_{0.975, 2} * 0.25 / sqrt(3) = 4.3027 * 0.14434 = 0.621;
+    # a tie is neither positive nor negative
     assert lines[("codapo - grpo", "eval/pass@1")] == (
-        "| codapo - grpo | eval/pass@1 | +0 +- 0.25 | 1: +0, 2: +0.25, 3: -0.25 | 1/3 positive, 1 tied | - |"
+        "| codapo - grpo | eval/pass@1 | +0 ± 0.621 | 1: +0, 2: +0.25, 3: -0.25 | 1/3 positive, 1 tied | - |"
     )
     # a key only gapo logs: nothing paired, every seed listed with the reason
     assert lines[("gapo - grpo", "gapo/clipfrac_c0.2")] == (
@@ -372,7 +375,7 @@ def test_lora_and_full_runs_side_by_side_with_peak_memory(tmp_path, capsys):
     assert set(rows) == {"grpo lr 1e-5", "grpo LoRA r8 lr 1e-4"}
     assert rows["grpo lr 1e-5"][header.index("peak mem GiB")] == "2.50 +- 0.71"  # seeds 2.0 and 3.0
     assert rows["grpo LoRA r8 lr 1e-4"][header.index("peak mem GiB")] == "1.25 +- 0.35"
-    assert "| grpo LoRA r8 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | +0.1 +- 0 |" in out
+    assert "| grpo LoRA r8 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | +0.1 ± 0 |" in out
 
 
 # --- labels name what differs; an evaluation before and after only is two points ---
@@ -430,11 +433,11 @@ def test_lora_study_labels_and_baseline(tmp_path, capsys):
     out = capsys.readouterr().out
     labels = [line.split("|")[1].strip() for line in out.splitlines()[2:6]]
     assert sorted(labels) == ["grpo LoRA r1 lr 1e-4", "grpo LoRA r1 lr 3e-4", "grpo LoRA r8 lr 3e-4", "grpo lr 1e-5"]
-    assert "| grpo LoRA r1 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | -0.1 +- 0 |" in out
-    assert "| grpo LoRA r1 lr 3e-4 - grpo lr 1e-5 | eval/pass@1 | -0.05 +- 0 |" in out
+    assert "| grpo LoRA r1 lr 1e-4 - grpo lr 1e-5 | eval/pass@1 | -0.1 ± 0 |" in out
+    assert "| grpo LoRA r1 lr 3e-4 - grpo lr 1e-5 | eval/pass@1 | -0.05 ± 0 |" in out
     # a label is matched first: one rank-1 arm as the baseline
     assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo LoRA r1 lr 1e-4"]) == 0
-    assert "| grpo LoRA r1 lr 3e-4 - grpo LoRA r1 lr 1e-4 | eval/pass@1 | +0.05 +- 0 |" in capsys.readouterr().out
+    assert "| grpo LoRA r1 lr 3e-4 - grpo LoRA r1 lr 1e-4 | eval/pass@1 | +0.05 ± 0 |" in capsys.readouterr().out
     # the name of two arms is ambiguous: one error line
     assert compare.main([str(tmp_path / "*"), "--no-plot", "--baseline", "grpo LoRA r1"]) == 2
     assert "matches 2 configurations" in capsys.readouterr().err

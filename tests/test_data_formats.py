@@ -12,8 +12,8 @@ import sys
 import pytest
 
 import common
+import evaluation
 import models
-import outputs
 import run
 import verifiers
 from tests import tiny
@@ -162,7 +162,7 @@ def test_completion_longer_than_the_context_is_refused_before_the_weights_load(m
     code, out = run_main("grpo", argv + ["--max-new-tokens", "200"], monkeypatch, capsys)  # prompts of ~100 tokens
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1, out.err
-    assert "the longest evaluation prompt" in errors[0] and "256 tokens" in errors[0] and "at most" in errors[0]
+    assert "its longest prompt" in errors[0] and "256 tokens" in errors[0] and "at most" in errors[0]
     mod = importlib.import_module("grpo")
     with pytest.raises(Loaded):  # a completion that fits gets past the check, to the weights
         mod.main(run.parse_args(mod.Args, argv + ["--max-new-tokens", "8", "--run-name", "fits"]))
@@ -182,7 +182,7 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
     task = _task_with_a_long_prompt(tmp_path)
     lengths = [len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems]
     assert lengths[-1] > 246 >= max(lengths[:-1])
-    kept, context = models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, task, [[[1, 2, 3]]])
+    kept, context = models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, task, [eval_set([[1, 2, 3]], 10)])
     assert kept.problems == task.problems[:-1] and kept.where == task.where[:-1]
     assert context == max(lengths[:-1]) + 10  # the engine's context: the longest prompt kept + the new tokens
     out = capsys.readouterr().out
@@ -199,10 +199,21 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
     )
     assert kept.problems == task.problems and context == lengths[-1] + 10  # an extended context holds them all
     assert (
-        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [[[1] * 40]])[1] == 50
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [eval_set([[1] * 40], 10)])[1] == 50
     )  # eval-only
-    with pytest.raises(verifiers.UserError, match=r"the longest evaluation prompt \(300 tokens\)"):
-        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [[[1] * 300]])
+    with pytest.raises(verifiers.UserError, match=r"evaluation set d: its longest prompt \(300 tokens\)"):
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [eval_set([[1] * 300], 10)])
+    # an evaluation set's own token budget, not the training one
+    assert models.fit_context(run.Args(max_new_tokens=10), model, tok, None, [eval_set([[1] * 40], 100)])[1] == 140
+    with pytest.raises(verifiers.UserError, match=r"plus its 250 new tokens exceed .* lower --eval-max-new-tokens"):
+        models.fit_context(run.Args(max_new_tokens=10), model, tok, None, [eval_set([[1] * 40], 250)])
+
+
+def eval_set(prompts, max_new_tokens):
+    """An evaluation set of `prompts` (token id lists) whose protocol allows `max_new_tokens` new tokens."""
+    task = verifiers.Task("d", "math", [{"question": "q", "answer": "1"}] * len(prompts), "")
+    protocol = evaluation.EvalProtocol(max_new_tokens=max_new_tokens)
+    return evaluation.EvalSet("d", task, protocol, len(prompts), prompts)
 
 
 # ----- set-up and summary
@@ -220,9 +231,9 @@ def test_requirements_ask_only_for_extras_their_packages_provide():
 
 
 def test_eval_only_summary_shows_one_value_per_metric(capsys):
-    outputs.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
+    evaluation.print_summary("x eval-only", None, {"eval/pass@1": 0.5, "eval/pass@4": 0.75}, {"eval": 1.0}, 1.0)
     out = capsys.readouterr().out
     assert "eval/pass@1    0.5000" in out and "eval/pass@4    0.7500" in out
     assert "before" not in out and "n/a" not in out
-    outputs.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
+    evaluation.print_summary("x", {"eval/pass@1": 0.25}, {"eval/pass@1": 0.5}, {}, 1.0)
     assert "before 0.2500  after 0.5000" in capsys.readouterr().out

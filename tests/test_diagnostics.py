@@ -10,8 +10,8 @@ import torch
 
 import codapo
 import compare
+import evaluation
 import grpo
-import outputs
 import run
 import verifiers
 from tests import references, tiny
@@ -28,7 +28,7 @@ class ScriptedEngine:
     def __init__(self, texts):
         self.texts = texts
 
-    def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc=""):
+    def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc="", top_p=1.0):
         assert len(prompts) * n == len(self.texts)
         return references.rollout_from_rows(
             [p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, ["stop"] * len(self.texts)
@@ -43,6 +43,12 @@ def arith_task(tiers, answers, name="arith"):
     return verifiers.Task(name, "arith", problems, "")
 
 
+def as_set(task, n=2, temperature=0.6, max_new_tokens=4, k=(2,)):
+    """An evaluation set of the task under a protocol (each problem's prompt: [1])."""
+    protocol = evaluation.EvalProtocol(n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k, grader="arith")
+    return evaluation.EvalSet(verifiers.eval_set_label(task.name), task, protocol, len(task.problems), [[1]] * len(task.problems))
+
+
 # ----------------------------------------------------------------------------------------- per-tier pass@1
 
 # 4 problems, 2 samples each: problem 0 (tier 0) 2/2 right, 1 (tier 0) 1/2, 2 (tier 1) 0/2, 3 (tier 2) 1/2
@@ -51,29 +57,29 @@ TEXTS = ["3", "3", "5", "1", "0", "0", "9", "0"]
 
 
 def test_pass_at_1_per_tier_by_hand():
-    m, (records, _) = outputs.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2], seed=0)
+    m, records = evaluation.evaluate(ScriptedEngine(TEXTS), as_set(arith_task(TIERS, ANSWERS)), seed=0)
     assert m["eval/pass@1"] == pytest.approx((1 + 0.5 + 0 + 0.5) / 4)
     assert m["eval/tier0/pass@1"] == pytest.approx((1.0 + 0.5) / 2)  # mean over the tier's problems
     assert m["eval/tier1/pass@1"] == 0.0
     assert m["eval/tier2/pass@1"] == pytest.approx(0.5)
     assert (m["eval/tier0/n_problems"], m["eval/tier1/n_problems"], m["eval/tier2/n_problems"]) == (2, 1, 1)
     assert not [k for k in m if "tier3" in k]  # only tiers that occur
-    assert [r["tier"] for r in records] == [0, 0, 0, 0, 1, 1, 2, 2]  # every sample's tier in eval_correctness
+    assert [r["tier"] for r in records] == [0, 0, 0, 0, 1, 1, 2, 2]  # every sample's tier in its kept completions
     assert all(compare.is_eval_key(k) for k in m if k.endswith("pass@1"))
 
 
 def test_no_tier_field_no_tier_keys():
-    m, (records, _) = outputs.evaluate(ScriptedEngine(TEXTS), arith_task([None] * 4, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, records = evaluation.evaluate(ScriptedEngine(TEXTS), as_set(arith_task([None] * 4, ANSWERS)))
     assert not [k for k in m if "tier" in k] and not [r for r in records if "tier" in r]
     # a tier value that cannot be part of a key (a float, a string with '/') is no tier either
-    m, _ = outputs.evaluate(ScriptedEngine(TEXTS), arith_task([0.5, "a/b", True, None], ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
+    m, _ = evaluation.evaluate(ScriptedEngine(TEXTS), as_set(arith_task([0.5, "a/b", True, None], ANSWERS)))
     assert not [k for k in m if "tier" in k]
 
 
 def test_tier_keys_follow_the_per_set_prefix():
     tasks = [arith_task(TIERS, ANSWERS, "arith"), arith_task([3, 3, 3, 3], ANSWERS, "/x/other.jsonl")]
     engine = ScriptedEngine(TEXTS)
-    m, _ = outputs.evaluate_sets(engine, tasks, [[[1]] * 4] * 2, 2, 0.6, 4, [2], seed=0)
+    m, _ = evaluation.evaluate_sets(engine, [as_set(t) for t in tasks], seed=0)
     assert m["eval/arith/tier0/pass@1"] == pytest.approx(0.75) and m["eval/arith/tier0/n_problems"] == 2
     assert m["eval/other/tier3/pass@1"] == pytest.approx(0.5) and m["eval/other/tier3/n_problems"] == 4
     assert m["eval/tier0/pass@1"] == m["eval/arith/tier0/pass@1"]  # unprefixed keys: the first set's
@@ -81,10 +87,11 @@ def test_tier_keys_follow_the_per_set_prefix():
 
 
 def test_console_and_summary_skip_tier_keys(capsys):
-    m, _ = outputs.evaluate(ScriptedEngine(TEXTS), arith_task(TIERS, ANSWERS), [[1]] * 4, 2, 0.6, 4, [2])
-    line = outputs.eval_console_line(0, 3, m)
-    assert "pass@1 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
-    outputs.print_summary("t", m, m, {}, 1.0)
+    eval_set = as_set(arith_task(TIERS, ANSWERS))
+    m, _ = evaluation.evaluate(ScriptedEngine(TEXTS), eval_set)
+    line = evaluation.eval_console_line(0, 3, eval_set, m)
+    assert "pass@1 (avg@2) 0.5" in line and "pass@2" in line and "tier" not in line  # one set: not mistaken for a suite
+    evaluation.print_summary("t", m, m, {}, 1.0, [eval_set])
     out = capsys.readouterr().out
     assert "eval/pass@1" in out and "eval/pass@2" in out and "tier" not in out
 
@@ -141,7 +148,7 @@ def test_eval_only_run_logs_tiers_consistent_with_its_records(toy, tmp_path, cap
     grpo.main(run.parse_args(grpo.Args, argv))
     assert "tier" not in capsys.readouterr().out
     (row,) = read_jsonl(tmp_path / "ev" / "metrics.jsonl")
-    records = read_jsonl(tmp_path / "ev" / "eval_correctness_step0.jsonl")
+    records = read_jsonl(tmp_path / "ev" / "eval_completions_step0_toy.jsonl")
     tiers = {r["tier"] for r in records}  # the eval set is a seeded hold-out of the file: its tiers vary
     assert len(tiers) >= 2 and sorted(k for k in row if "tier" in k) == sorted(
         f"eval/tier{t}/{name}" for t in tiers for name in ("pass@1", "n_problems")

@@ -231,9 +231,9 @@ def test_eval_only_writes_eval_rows_and_per_sample_correctness(method, toy, tmp_
     rows = read_rows(tmp_path / "ev")
     assert len(rows) == 1 and rows[0]["eval/n_samples"] == 4 and rows[0]["eval/n_problems"] == 3
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= rows[0].keys()
-    with open(tmp_path / "ev" / "eval_correctness_step0.jsonl") as f:
+    with open(tmp_path / "ev" / "eval_completions_step0_toy.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert len(records) == 12
+    assert len(records) == 12  # every completion kept: problems x n
     # pass@1 is the mean correctness; pass@4 (k = n) is the share of problems with any correct sample
     assert rows[0]["eval/pass@1"] == pytest.approx(sum(r["correct"] for r in records) / 12)
     solved = {r["problem"] for r in records if r["correct"]}

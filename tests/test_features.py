@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import evaluation
 import grpo
 import models
 import outputs
@@ -251,7 +252,7 @@ def test_rollouts_dump_with_custom_reward(toy, tmp_path):
     assert metrics[0]["rollout/truncated_frac"] == pytest.approx(sum(r["finish_reason"] == "length" for r in rows) / 32)
     # eval with a custom reward: a sample is correct when its reward >= 1.0 (here 1.5)
     evals = [m for m in read_jsonl(run_path / "metrics.jsonl") if "eval/pass@1" in m]
-    records = read_jsonl(run_path / "eval_correctness_step3.jsonl")
+    records = read_jsonl(run_path / "eval_completions_step3_toy.jsonl")
     assert all(r["correct"] == (r["reward"] >= 1.0) for r in records)
     assert evals[-1]["eval/pass@1"] == pytest.approx(sum(r["correct"] for r in records) / len(records))
 
@@ -297,7 +298,7 @@ def test_several_eval_sets(toy, tmp_path, capsys):
     for label in ("toy", "other"):
         assert {f"eval/{label}/pass@1", f"eval/{label}/pass@2", f"eval/{label}/n_problems"} <= suite.keys()
         assert suite[f"eval/{label}/n_problems"] == 3  # --eval-limit per set
-        records = read_jsonl(tmp_path / "suite" / f"eval_correctness_step0_{label}.jsonl")
+        records = read_jsonl(tmp_path / "suite" / f"eval_completions_step0_{label}.jsonl")
         assert len(records) == 6
         assert suite[f"eval/{label}/pass@1"] == pytest.approx(sum(r["correct"] for r in records) / 6)
         assert f"eval/{label}/pass@1" in out and f"eval/{label}/pass@2" in out  # the summary prints every set
@@ -311,7 +312,7 @@ def test_several_eval_sets(toy, tmp_path, capsys):
     assert {s["question"][:7] for s in samples if s["eval_set"] == "toy"} == {"Say two"}
     assert {s["question"][:7] for s in samples if s["eval_set"] == "other"} == {"Say one"}
     assert not [k for k in one if k.count("/") > 1]
-    assert os.path.exists(tmp_path / "one" / "eval_correctness_step0.jsonl")
+    assert os.path.exists(tmp_path / "one" / "eval_completions_step0_other.jsonl")
     samples = read_jsonl(tmp_path / "suite" / "samples.jsonl")
     assert {s["eval_set"] for s in samples} == {"toy", "other"}
 
@@ -320,11 +321,13 @@ def test_eval_set_labels_and_duplicates(toy, tmp_path):
     assert verifiers.eval_set_label("math500") == "math500"
     assert verifiers.eval_set_label("/a/b/data.jsonl.gz") == "data"
     assert verifiers.eval_set_label("owner/name") == "name"
+    assert verifiers.eval_set_label("aime24=/a/b/aime_copy.jsonl") == "aime24"  # NAME=FILE: a registry set's copy
     copy = tiny.write_jsonl(str(tmp_path / "toy.json"), [{"question": "q", "answer": "1"}] * 5)
     with pytest.raises(verifiers.UserError, match="both log as eval/toy/"):
-        verifiers.load_eval_tasks([toy["data"], copy], "arith", 1, None, None, "arith", 0)
-    (task,) = verifiers.load_eval_tasks([], "arith", 1, None, None, "auto", 7)
-    assert task.name == "arith" and len(task.problems) == 7  # default: the held-out split of --dataset
+        evaluation.load_sets(grpo.Args(eval_dataset=[toy["data"], copy], reward="arith"))
+    (eval_set,) = evaluation.load_sets(grpo.Args(eval_limit=7))
+    assert eval_set.label == "arith" and len(eval_set.task.problems) == 7  # default: the held-out split of --dataset
+    assert eval_set.n_source == 100 and eval_set.scope() == "7 of 100 problems (limit 7)"
 
 
 # ----------------------------------------------------------------------------------------------- --config

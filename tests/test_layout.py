@@ -35,12 +35,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("grpo", "gapo", "mugrpo", "codapo", "opd")
-ROOMS = ("outputs", "run", "async_rollouts", "models")  # the run's infrastructure, in rooms by purpose
+ROOMS = ("outputs", "run", "evaluation", "async_rollouts", "models")  # the run's infrastructure, in rooms by purpose
 SHARED = (*ROOMS, "engines", "common")  # the files whose definitions the reach follows
 LAYERS = [
     SCRIPTS,
     ("outputs",),
     ("run",),
+    ("evaluation",),
     ("async_rollouts",),
     ("models",),
     ("engines",),
