@@ -4,27 +4,30 @@ A wrong reward is a corrupted gradient and a reward that can be gamed will be ga
 strict, bounded in time and never runs model code in the calling process.
 
 Part 1, tasks (what a training step uses, in that order):
-- `load_tasks(args)` (a run's, from its flags): `load_task(name, split, ...)` and `load_eval_tasks(...)` -> `Task`:
-  the problems (question and gold answer, or code tests), the reward kind (arith, math, code, or the user's
-  `module:function`) and the instruction appended to each question. A task is the built-in `arith`, a name of
-  `HUB_DATASETS`, a hub id or a local .jsonl/.json/.parquet file.
+- `load_training_task(args)` (a run's, from its flags) and `load_task(name, split, ...)` -> `Task`: the problems
+  (question and gold answer, or code tests), the reward kind (arith, math, code, or the user's `module:function`)
+  and the instruction appended to each question. A task is the built-in `arith`, a name of `HUB_DATASETS`, a hub id
+  or a local .jsonl/.json/.parquet file; a hold-out is carved from a source only when the run also evaluates on it
+  (`training_holdout`). The evaluation sets and their protocols are evaluation.py's (it loads them with load_task).
 - `compute_rewards(task, problems, completions)` -> one float per completion, the dispatch to Part 2. A code
   sandbox that cannot start is retried once and then stops the run; a custom reward that raises or returns no
   finite number stops it too: no reward is invented.
 Part 2, rewards:
 - `arith_reward(completion, answer)`: exact number comparison for the built-in arithmetic task.
 - `math_reward(completion, answer)`: 1.0 if the content of the LAST `\\boxed{...}` of the completion equals the
-  gold answer according to math-verify, else 0.0. math-verify runs in persistent worker processes (one per
-  concurrent caller) with its own SIGALRM timeouts and a hard outer timeout in the caller, which kills and
-  replaces a stuck worker. Never raises.
+  gold answer according to math-verify (a gold of several answers: every one), else 0.0. math-verify runs in
+  persistent worker processes (sandbox/math_pool.py) with its own SIGALRM timeouts and a hard outer timeout in the
+  caller, which kills and replaces a stuck worker. Never raises.
 - `code_reward(completion, problem)`: 1.0 if the extracted program passes every test of a HumanEval, MBPP or
   stdin/stdout problem in the subprocess sandbox, 0.0 if not, None if the sandbox itself could not run (an
   infrastructure failure, to be left out of the reward, not scored 0).
-- `extract_boxed`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers `math_rewards_batch` /
-  `code_rewards_batch` (concurrent, order preserving).
+- `grade(task, grader, problems, completions)`: an evaluation set's verdicts and the answers read off, by its
+  grader (the task's own, `math`, lm-eval's `gsm8k-strict` / `gsm8k-flexible`, `arith`).
+- `extract_boxed`, `extract_boxes`, `extract_code`, `pass_at_k`, `load_humaneval`, and the batch helpers
+  `math_rewards_batch` / `code_rewards_batch` (concurrent, order preserving).
 
 `UserError` and `RunError` live here, the lowest layer that raises them; common.py, engines.py, the run's rooms
-(run.py, models.py, outputs.py) and the scripts import them from here (verifiers.UserError, verifiers.RunError).
+(run.py, evaluation.py, models.py, outputs.py) and the scripts import them from here (verifiers.UserError, verifiers.RunError).
 """
 
 from __future__ import annotations
@@ -561,7 +564,8 @@ def _load_rows(path: str, config: str | None, split: str | None):
         where = "the hub" if reachable else "the local cache (the hub is unreachable)"
         raise UserError(
             f"cannot load dataset '{path}' (split {split or 'train'}) from {where}: {text}. "
-            "Without network, pass a local .jsonl/.json/.parquet file"
+            "Without network, pass a local .jsonl/.json/.parquet file (an evaluation set's copy as --eval-dataset "
+            "NAME=FILE keeps the registry set's preset and fields)"
         ) from None
     return list(ds)
 

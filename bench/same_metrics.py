@@ -1,4 +1,4 @@
-"""Short runs of all four scripts, and the comparison of two sets of them: does a refactor change a number?
+"""Short runs of all five scripts, and the comparison of two sets of them: does a refactor change a number?
 
     flock /tmp/cpu.lock python bench/same_metrics.py run --root /path/to/checkout --out /tmp/before
     flock /tmp/cpu.lock python bench/same_metrics.py run --root . --out /tmp/after
@@ -39,6 +39,7 @@ RUNS = {  # name: (script, extra flags, processes)
     "codapo": ("codapo", ["--total-steps", "3"], 1),
     "codapo_dual_drgrpo": ("codapo", ["--total-steps", "3", "--dual-clip-c", "3", "--loss-agg", "seq-mean-token-sum-norm"], 1),
     "grpo_two_ranks": ("grpo", ["--beta", "0.05"], 2),
+    "opd": ("opd", ["--teacher", "smollm2-135m"], 1),  # the embedded model as its own teacher: every number still computed
 }
 TIMING = ("wall_s",)
 

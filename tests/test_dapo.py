@@ -196,7 +196,9 @@ class VariedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.eos = tokenizer, tokenizer.eos_token_id
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="", progress=True, group_ids=None, top_p=1.0):
+    def generate(
+        self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="", progress=True, group_ids=None, top_p=1.0
+    ):
         import random
 
         out = common.RolloutBatch()

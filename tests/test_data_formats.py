@@ -182,7 +182,9 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
     task = _task_with_a_long_prompt(tmp_path)
     lengths = [len(common.format_prompt(tok, p["question"], task.instruction)) for p in task.problems]
     assert lengths[-1] > 246 >= max(lengths[:-1])
-    kept, context = models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, task, [eval_set([[1, 2, 3]], 10)])
+    kept, context = models.fit_context(
+        run.Args(system_prompt="", max_new_tokens=10), model, tok, task, [eval_set([[1, 2, 3]], 10)]
+    )
     assert kept.problems == task.problems[:-1] and kept.where == task.where[:-1]
     assert context == max(lengths[:-1]) + 10  # the engine's context: the longest prompt kept + the new tokens
     out = capsys.readouterr().out
@@ -199,7 +201,8 @@ def test_training_prompts_that_do_not_fit_are_dropped_with_one_line(tmp_path, ca
     )
     assert kept.problems == task.problems and context == lengths[-1] + 10  # an extended context holds them all
     assert (
-        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [eval_set([[1] * 40], 10)])[1] == 50
+        models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [eval_set([[1] * 40], 10)])[1]
+        == 50
     )  # eval-only
     with pytest.raises(verifiers.UserError, match=r"evaluation set d: its longest prompt \(300 tokens\)"):
         models.fit_context(run.Args(system_prompt="", max_new_tokens=10), model, tok, None, [eval_set([[1] * 300], 10)])

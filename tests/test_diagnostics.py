@@ -46,7 +46,9 @@ def arith_task(tiers, answers, name="arith"):
 def as_set(task, n=2, temperature=0.6, max_new_tokens=4, k=(2,)):
     """An evaluation set of the task under a protocol (each problem's prompt: [1])."""
     protocol = evaluation.EvalProtocol(n=n, temperature=temperature, max_new_tokens=max_new_tokens, k=k, grader="arith")
-    return evaluation.EvalSet(verifiers.eval_set_label(task.name), task, protocol, len(task.problems), [[1]] * len(task.problems))
+    return evaluation.EvalSet(
+        verifiers.eval_set_label(task.name), task, protocol, len(task.problems), [[1]] * len(task.problems)
+    )
 
 
 # ----------------------------------------------------------------------------------------- per-tier pass@1

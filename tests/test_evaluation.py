@@ -93,7 +93,13 @@ def test_each_set_has_its_own_protocol(tmp_path):
         eval_samples=8,
         eval_k=[2, 8],
         eval_max_new_tokens=64,
-        eval_protocol=["math500.n=16", "math500.k=1,4,16", "bench.top_p=0.9", "*.max_new_tokens=512", "gsm8k.grader=gsm8k-strict"],
+        eval_protocol=[
+            "math500.n=16",
+            "math500.k=1,4,16",
+            "bench.top_p=0.9",
+            "*.max_new_tokens=512",
+            "gsm8k.grader=gsm8k-strict",
+        ],
     )
     got = evaluation.protocols(args)
     assert list(got) == ["gsm8k", "math500", "bench"]
@@ -108,7 +114,9 @@ def test_each_set_has_its_own_protocol(tmp_path):
 
 def test_config_takes_eval_protocol_as_a_mapping(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("eval_dataset: [aime24, math500]\neval_protocol:\n  aime24: {n: 16, k: [1, 16]}\n  '*': {max_new_tokens: 4096}\n")
+    cfg.write_text(
+        "eval_dataset: [aime24, math500]\neval_protocol:\n  aime24: {n: 16, k: [1, 16]}\n  '*': {max_new_tokens: 4096}\n"
+    )
     args = grpo.Args(**run.load_config(str(cfg), grpo.Args))
     assert args.eval_protocol == ["aime24.n=16", "aime24.k=1,16", "*.max_new_tokens=4096"]
     aime, m500 = evaluation.protocols(args).values()
@@ -174,7 +182,9 @@ def test_top_p_keeps_the_nucleus_and_draws_in_proportion():
         assert torch.all((freq - want.double()).abs() <= 5 * sd + 1e-12), (top_p, freq, want)
     # top_p 1 draws exactly what it drew before (the same token for the same uniform)
     u = torch.rand(1000, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(engines.sample_from_logits(scores.expand(1000, -1), u), engines.sample_from_logits(scores.expand(1000, -1), u, 1.0))
+    assert torch.equal(
+        engines.sample_from_logits(scores.expand(1000, -1), u), engines.sample_from_logits(scores.expand(1000, -1), u, 1.0)
+    )
 
 
 def test_the_vllm_engine_passes_greedy_and_top_p_to_its_sampling_params():
@@ -253,7 +263,9 @@ class Scripted:
     def generate(self, prompts, n, max_new_tokens, temperature, seed=None, desc="", top_p=1.0, group_ids=None):
         self.seen = (n, max_new_tokens, temperature, top_p)
         finish = self.finish or ["stop"] * len(self.texts)
-        return references.rollout_from_rows([p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, finish)
+        return references.rollout_from_rows(
+            [p for p in prompts for _ in range(n)], [[5, 6]] * len(self.texts), self.texts, finish
+        )
 
 
 def math_set(answers, **protocol):
@@ -310,7 +322,9 @@ def test_kept_completions_are_scored_again_without_generating(tmp_path):
     m = evaluation.run_evaluation(grpo.Args(), Scripted(texts), [eval_set], logger, 5, 0, 0.0)
     path = tmp_path / "eval_completions_step5_g.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["text"] for r in records] == texts and {"id", "tokens", "finish_reason", "extracted", "correct"} <= records[0].keys()
+    assert [r["text"] for r in records] == texts and {"id", "tokens", "finish_reason", "extracted", "correct"} <= records[
+        0
+    ].keys()
     again = evaluation.rescore(str(path), "gsm8k-flexible", k=(2,))
     assert again["eval/pass@1"] == m["eval/pass@1"] == 0.75 and again["eval/pass@2"] == m["eval/pass@2"]
     strict = evaluation.rescore(str(path), "gsm8k-strict", maj=(2,))
