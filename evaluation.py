@@ -297,8 +297,8 @@ class EvalSet:
 
 def load_sets(args, train_task: verifiers.Task | None = None) -> list[EvalSet]:
     """The run's evaluation sets (`--eval-dataset a b c`; none: the held-out split of --dataset), each with its protocol
-    (protocols), cut to its limit (0: all); make_prompts makes their prompts. `NAME=FILE` is a registry set's copy in a local file:
-    its label, preset and field names, the file's rows. A named set is used whole; the hold-out is carved only from
+    (protocols), cut to its limit (0: all); make_prompts makes their prompts. `NAME=FILE` is a registry set's copy in
+    a local file: its label, preset and field names, the file's rows. A named set is used whole; the hold-out is carved only from
     --dataset itself when the run trains on it (verifiers.training_holdout), and then one line says how many problems
     each side got. Two sets with the same label are one error."""
     by_label = protocols(args, notes=True)
@@ -554,7 +554,8 @@ def run_evaluation(
             )
             common.CONSOLE.warning(
                 f"warning: eval {eval_set.label}: {100 * cut:.0f}% of the answers were cut at "
-                f"{eval_set.protocol.max_new_tokens} tokens (mean length {own['eval/response_len_mean']:.1f}): their scores say little; raise {fix}"
+                f"{eval_set.protocol.max_new_tokens} tokens (mean length {own['eval/response_len_mean']:.1f}): their "
+                f"scores say little; raise {fix}"
             )
     return metrics
 
