@@ -298,9 +298,9 @@ class EvalSet:
 def load_sets(args, train_task: verifiers.Task | None = None) -> list[EvalSet]:
     """The run's evaluation sets (`--eval-dataset a b c`; none: the held-out split of --dataset), each with its protocol
     (protocols), cut to its limit (0: all); make_prompts makes their prompts. `NAME=FILE` is a registry set's copy in
-    a local file: its label, preset and field names, the file's rows. A named set is used whole; the hold-out is carved only from
-    --dataset itself when the run trains on it (verifiers.training_holdout), and then one line says how many problems
-    each side got. Two sets with the same label are one error."""
+    a local file: its label, preset and field names, the file's rows. A named set is used whole; the hold-out is
+    carved only from --dataset itself when the run trains on it (verifiers.training_holdout), and then one line says
+    how many problems each side got. Two sets with the same label are one error."""
     by_label = protocols(args, notes=True)
     holdout = verifiers.training_holdout(args)
     sets, seen = [], {}
