@@ -5,7 +5,8 @@ The names one step uses, in order:
 
 1. engine.wake (the weight sync: engines.py); group_shuffled_minibatches(minibatch_generator(seed, step)): the
    mini-batch plan
-2. PromptSampler.sample, format_prompt; generate_rollout (seed + step; round k: + k * ROUND_SEED_STRIDE) ->
+2. PromptSampler.sample, format_prompt; generate_rollout (seed + step; round k: + k * ROUND_SEED_STRIDE; an engine's
+   NonFiniteError stops the run, step_named) ->
    RolloutBatch (prompt(r), completion(r), lengths); rollout_rewards (verifiers.compute_rewards) -> rewards (B,)
 3. the step's options, each off by default (they follow the step below): dynamic_sampling (more rounds,
    PromptSampler.more), engine.sleep, dapo_shaping (the overlong penalty; in_loss (B,): equal-reward groups,
@@ -14,14 +15,17 @@ The names one step uses, in order:
    log-probs against the trainer's
 5. per mini-batch: micro_batches (a token budget; the rows of one prompt packed, its prompt computed once),
    token_batch_of -> TokenBatch, completion_logps (B, T) with entropy, correction.weights (--rollout-is), the
-   method's loss, accumulation_weight, scaler.scale(loss).backward(); correction.check_engine (a stale engine),
-   clip_grad_norm (the global norm, non-finite: stop), scaler.step
-6. metrics: grad_metrics, peak_memory_gb, correction.metrics, RunLogger.log, console_line, CONSOLE
+   method's loss, check_finite (NaN or inf: stop), accumulation_weight, scaler.scale(loss).backward();
+   correction.check_engine (a stale engine, its log-probs not finite), clip_grad_norm (the global norm, non-finite:
+   stop), scaler.step
+6. metrics: grad_metrics, peak_memory_gb, correction.metrics, learning_signal (a step that cannot learn: said),
+   RunLogger.log, console_line, CONSOLE
 
 Around them: World and world() (this one process; under torchrun run.init_world installs its DistributedWorld in
-its place), ModelTraits and model_traits (the model's contract with the step: what the rooms attach to a model),
-Timers, and every seed a run derives from --seed. After the step, its options: DAPO's (varied_groups,
-overlong_penalty, dapo_shaping, group_owners, dynamic_sampling) and torchrun's view of a rollout (ShardedRollout).
+its place), bars_off (tqdm's switch of a progress bar), ModelTraits and model_traits (the model's contract with the
+step: what the rooms attach to a model), Timers, and every seed a run derives from --seed. After the step, its
+options: DAPO's (varied_groups, overlong_penalty, dapo_shaping, group_owners, dynamic_sampling) and torchrun's view
+of a rollout (ShardedRollout).
 Shapes: B rollouts (rows of one prompt contiguous), T completion tokens, G rollouts per prompt.
 """
 
@@ -96,19 +100,18 @@ def world() -> World:
     return _WORLD
 
 
+def bars_off() -> bool | None:
+    """tqdm's `disable=`: True off rank 0; on rank 0 tqdm's own rule (None: off where the output is not a terminal),
+    and True where TQDM_DISABLE is set (read as tqdm does: the bool of its string)."""
+    return True if not world().is_main or bool(os.environ.get("TQDM_DISABLE")) else None
+
+
 @dataclass
 class ModelTraits:
-    """The model's contract with the step: what the step reads from a model beyond its transformers interface,
-    attached by the rooms as `model.rlvr_traits` and read only through model_traits(model) (a model built by hand
-    has the defaults). Each field names the room that sets it:
-
-    autocast_dtype       models.load_model: the autocast dtype of its forward passes (bf16 or fp16 on CUDA);
-                         None: no autocast (CPU, and a model built by hand)
-    chunk_logp_entropy   models.compile_model (--compile): the compiled LM-head chunk; None: chunk_logp_entropy
-    lora                 models.add_lora (--lora-rank): the run's models.LoRA; None: full fine-tuning
-
-    One more name is a method, since FSDP2 runs it as a forward: `model.rlvr_completion_logps`, which
-    models.shard_model registers on a sharded model (completion_logps calls it when it is there)."""
+    """The model's contract with the step, attached by the rooms as `model.rlvr_traits`, read through model_traits
+    (a model built by hand has the defaults): autocast_dtype (models.load_model: bf16 or fp16 on CUDA, None on the
+    CPU), chunk_logp_entropy (models.compile_model under --compile), lora (models.add_lora). One more name is a
+    method, as FSDP2 runs it as a forward: `model.rlvr_completion_logps` (models.shard_model; docs/layout.md)."""
 
     autocast_dtype: torch.dtype | None = None
     chunk_logp_entropy: Callable | None = None
@@ -212,24 +215,18 @@ class PromptSampler:
         self._order = self._permutation()
 
 
-def format_prompt(
-    tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template: str = "chat"
-) -> list[int]:
-    """Chat-template the question (+ task instruction) and return prompt token ids ending in the assistant turn
-    (template "plain": plain text, also for a model with a chat template)."""
-    text = prompt_text(tokenizer, question, instruction, system_prompt, template)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def format_prompt(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template="chat"):
+    """prompt_text's token ids (the prompt ends in the assistant turn)."""
+    return tokenizer(prompt_text(tokenizer, question, instruction, system_prompt, template), add_special_tokens=False)[
+        "input_ids"
+    ]
 
 
-def prompt_text(
-    tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template: str = "chat"
-) -> str:
-    """The prompt as text: the question, then the instruction (an instruction holding `{question}`: the question
-    there instead), in the model's chat template (template "plain", or a model without one: plain text)."""
-    if "{question}" in instruction:
-        content = instruction.replace("{question}", question.strip())
-    else:
-        content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+def prompt_text(tokenizer, question: str, instruction: str = "", system_prompt: str | None = None, template="chat") -> str:
+    """The question, then the instruction (one holding `{question}`: the question there), in the model's chat template
+    (template "plain", or a model without one: plain text)."""
+    content = f"{question.strip()}\n\n{instruction.strip()}" if instruction else question.strip()
+    content = instruction.replace("{question}", question.strip()) if "{question}" in instruction else content
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
     if tokenizer.chat_template and template == "chat":
@@ -240,17 +237,41 @@ def prompt_text(
 # ----- 3. the rollout (the engines: engines.py) and the rollout data
 
 
-def generate_rollout(engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches):
-    """n completions for each of the P prompts (token id lists). One process: engine.generate on all of them (a
-    RolloutBatch). Under torchrun (any world size): each rank generates the groups World.deal_groups gives it from
-    the mini-batch plan (prompt g's rows seeded by (seed, g) in both engines, so a group draws the same uniforms on
-    any rank) -> a ShardedRollout."""
+class NonFiniteError(RunError):
+    """An engine met NaN or inf where it samples (its logits, or the log-probs it returns): it stops, never draws."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.on_every_rank = every_rank
+
+
+def generate_rollout(
+    engine, prompt_ids, n: int, max_new_tokens: int, temperature: float, seed: int, minibatches, step: int | None = None
+):
+    """n completions for each of the P prompts -> a RolloutBatch (engine.generate). Under torchrun (any world size)
+    each rank generates the groups World.deal_groups gives it (prompt g's rows seeded by (seed, g): the same draws on
+    any rank) -> a ShardedRollout. An engine's NonFiniteError stops the run (every rank), naming `step`."""
     w = world()
     if not w.enabled:
-        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
+        with step_named(step):
+            return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed=seed)
     groups = w.deal_groups(minibatches, n)
-    local = engine.generate([prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed, group_ids=groups)
+    with step_named(step):  # a rank whose engine fails (vLLM's broken log-probs, say) stops every rank (World.agree)
+        local = w.agree(
+            engine.generate, [prompt_ids[g] for g in groups], n, max_new_tokens, temperature, seed=seed, group_ids=groups
+        )
     return ShardedRollout(local, groups, len(prompt_ids), n)
+
+
+@contextlib.contextmanager
+def step_named(step: int | None):
+    """An engine's NonFiniteError as the run's error, naming the step whose rollout it stopped."""
+    try:
+        yield
+    except NonFiniteError as exc:
+        error = RunError(f"{exc}, in the rollout of step {step}; the last checkpoint is intact")
+        error.on_every_rank = getattr(exc, "on_every_rank", False)
+        raise error from None
 
 
 class RolloutBatch:
@@ -743,13 +764,14 @@ class RolloutCorrection:
 
     def check_engine(self, step: int) -> None:
         """After the step's first mini-batch: RunError on every rank when the mean |log rho| of its tokens exceeds
-        --max-engine-logp-diff (the engine kept old weights: a push that did not land). Later calls do nothing."""
+        --max-engine-logp-diff, or is NaN (the engine kept old weights: a push that did not land). Later calls do
+        nothing. (The engines themselves stop at logits or log-probs that are not finite: NonFiniteError.)"""
         if self.checked or self.engine is None or self.max_diff <= 0 or self.lag > 0:
             return
         self.checked = True
         seen = world().sum({"abs": self.sums["abs"], "tokens": self.sums["tokens"]})  # torchrun: every rank's tokens
         mean = seen["abs"] / max(seen["tokens"], 1.0)
-        if mean > self.max_diff:
+        if not mean <= self.max_diff:  # NaN fails too
             error = RunError(
                 f"the rollout engine is not sampling from the trainer's weights: mean |engine - trainer "
                 f"log-prob| {mean:.3g} nats > --max-engine-logp-diff {self.max_diff:g} at step {step} "
@@ -823,6 +845,27 @@ def accumulation_weight(
     raise ValueError(f"accumulation_weight: unit must be 'token' or 'sequence', not {unit!r}")
 
 
+FINITE_NAMES = dict(logp="the trainer's log-probs", old="the old log-probs (pi_old)", loss="the policy loss")
+FINITE_NAMES["ref"] = "the reference model's log-probs"
+
+
+def check_finite(step: int, update: int, mask: torch.Tensor, **values: torch.Tensor | None) -> None:
+    """RunError on every rank naming the first of `values` (FINITE_NAMES) with a NaN or inf where `mask` (b, T) is set
+    (the loss: anywhere), so a broken number never reaches a gradient (torchrun: the ranks agree by one MAX)."""
+    names = list(values)
+    bad = [
+        n for n, v in values.items() if v is not None and not torch.isfinite(v.detach()[mask.bool()] if v.dim() else v).all()
+    ]
+    first = int(world().max(float(names.index(bad[0]) + 1) if bad else 0.0))
+    if first:
+        error = RunError(
+            f"non-finite values (NaN or inf) in {FINITE_NAMES[names[first - 1]]} at step {step} (update {update}); lower "
+            "--learning-rate, or check the model (--dtype fp16 overflowing?) and the data; the last checkpoint is intact"
+        )
+        error.on_every_rank = True
+        raise error
+
+
 def clip_grad_norm(model, max_norm: float, scaler: torch.amp.GradScaler | None = None, step: int = 0, update: int = 0):
     """clip_grad_norm_ over the trainable parameters -> the global norm as a plain tensor (FSDP2: the same on every
     rank). A non-finite norm stops the run (RunError on every rank), except under fp16's loss scaling: `scaler.step`
@@ -879,6 +922,30 @@ class RunLogger:
     def close(self) -> None:
         for close in self.closers:
             close()
+
+
+SIGNAL_SAID: set[str] = set()  # the causes learning_signal has said in this run (once each)
+SIGNAL_ADVICE = {
+    "signal/all_truncated": "every completion was cut at --max-new-tokens, none ends with an answer: raise --max-new-tokens",
+    "signal/equal_rewards": "every group's rewards were equal, so every advantage is 0: the task is too hard or too easy "
+    "for the model; pick another, or raise --num-generations",
+    "signal/zero_update": "the policy loss and the gradient were exactly 0 at every update: the model did not move",
+}
+
+
+def learning_signal(step: int, rollout_metrics: dict, update_metrics: list[dict], rewards_matter: bool = True) -> dict:
+    """signal/<cause> 1.0 where a cause of SIGNAL_ADVICE held at this step (equal rewards: only where `rewards_matter`);
+    the first step each holds, one console line says which and what to change."""
+    m = rollout_metrics
+    held = [
+        m.get("rollout/truncated_frac", 0.0) >= 1.0,
+        rewards_matter and m.get("rollout/zero_adv_group_frac", 0.0) >= 1.0,
+        all(u.get("losses/policy_loss") == u.get("losses/grad_norm") == 0.0 for u in update_metrics),
+    ]
+    for key in [k for k, h in zip(SIGNAL_ADVICE, held) if h and k not in SIGNAL_SAID]:
+        SIGNAL_SAID.add(key)
+        CONSOLE.warning(f"warning: step {step} cannot learn: {SIGNAL_ADVICE[key]} ({key} in metrics.jsonl)")
+    return {k: float(h) for k, h in zip(SIGNAL_ADVICE, held)}
 
 
 def console_line(step: int, total: int, row: dict, keys: Sequence[str]) -> str:

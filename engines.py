@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -94,7 +96,7 @@ class HFEngine:
         rows = [ids for ids in prompt_ids for _ in range(n)]
         out = common.RolloutBatch(with_engine_logps=self.return_logps)
         chunk = max(n, (self.gen_batch_size // n) * n)
-        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=not progress or not common.world().is_main)
+        bar = tqdm(total=len(rows), desc=desc, unit="seq", leave=False, disable=True if not progress else common.bars_off())
         was_training = model.training
         model.eval()
         # FSDP2 all-gathers into buffers it reuses in training: under inference_mode they would become inference
@@ -162,21 +164,28 @@ class HFEngine:
                 step_ids, step_mask = tokens[running, t - 1 : t], mask[running, : W + t]
                 logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=position_ids, **kw).logits[:, -1]
             live = running[~ended[running]]  # (L,) the rows still running (a synced rank keeps stepping ended ones)
-            self._draw(logits[~ended[running]], live, t, n, (temperature, top_p), generators, tokens, logps, ended, eos)
-            done = bool(ended.all()) if not synced else common.world().max(float(not ended.all())) == 0.0  # synced: all ranks
-            if done:
+            broken = self._draw(
+                logits[~ended[running]], live, t, n, (temperature, top_p), generators, tokens, logps, ended, eos
+            )
+            state = float(not ended.all()) + 2.0 * broken  # 0: done, >= 2: broken logits (synced: any rank's, all stop)
+            state = common.world().max(state) if synced else state
+            if state >= 2:
+                raise common.NonFiniteError(f"non-finite values (NaN or inf) in the hf engine's logits at token {t}", synced)
+            if state == 0:
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
 
-    def _draw(self, logits, live, t: int, n: int, decoding, generators, tokens, logps, ended, eos) -> None:
+    def _draw(self, logits, live, t: int, n: int, decoding, generators, tokens, logps, ended, eos) -> bool:
         """Token t of every running row: logits (L, V) of the rows `live` (L,) of the chunk -> tokens[live, t], their
-        log-probs after temperature (logps, where kept) and ended[live]. `decoding` (temperature, top_p): temperature
-        0 takes the most likely token (greedy; log-probs at temperature 1); else one uniform per running row, group
-        g's rows in row order from generator g (None: the global generator), through sample_from_logits."""
+        log-probs after temperature (logps, where kept) and ended[live]; True (nothing drawn) where the logits hold a
+        NaN, an inf or a row of -inf. `decoding` (temperature, top_p): temperature 0 is greedy (log-probs at T 1); else
+        one uniform per running row, group g's rows in row order from generator g (None: the global generator)."""
         if not len(live):
-            return
+            return False
         temperature, top_p = decoding
         scores = logits.float() / temperature if temperature > 0 else logits.float()  # (L, V)
+        if not bool(torch.isfinite(scores.amax(dim=-1)).all()):
+            return True
         if temperature == 0:
             next_tokens = scores.argmax(dim=-1)  # (L,) greedy: no uniform drawn
         else:
@@ -190,16 +199,15 @@ class HFEngine:
         if logps is not None:
             logps[live, t] = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
         ended[live] = torch.isin(next_tokens, eos)
+        return False
 
 
 def sample_from_logits(scores: torch.Tensor, uniforms: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
     """One token per row of scores (L, V) (logits / T) drawn from softmax(scores) by inverse transform sampling:
     the first token whose cumulative probability exceeds u * total, u (L,) uniform in [0, 1). The cumulative sum
     is taken in float64; the uniforms are float32 (torch.rand's, multiples of 2^-24), so a token's chance is its
-    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn.
-    top_p < 1 (nucleus sampling, Holtzman et al. 2020): only the most likely tokens whose probabilities first reach
-    top_p together can be drawn, in proportion to their probabilities (transformers' TopPLogitsWarper and vLLM keep
-    the same set)."""
+    probability resolved to 2^-24: a token after a cumulative probability above 1 - 2^-24 is never drawn. top_p < 1:
+    only the most likely tokens whose probabilities first reach top_p (transformers' TopPLogitsWarper's set)."""
     probs = torch.softmax(scores, dim=-1)  # (L, V)
     if top_p < 1.0:
         ranked, order = probs.sort(dim=-1, descending=True)
@@ -325,7 +333,8 @@ class StaticHFEngine(HFEngine):
                 logits = state.graphs(b, L)[:m]
             live_slots = ~ended[running]
             decoding = (temperature, top_p)
-            self._draw(logits[live_slots], running[live_slots], t, n, decoding, generators, tokens, logps, ended, eos)
+            if self._draw(logits[live_slots], running[live_slots], t, n, decoding, generators, tokens, logps, ended, eos):
+                raise common.NonFiniteError(f"non-finite values (NaN or inf) in the hf engine's logits at token {t}")
             if bool(ended.all()):
                 return tokens[:, : t + 1], logps[:, : t + 1] if logps is not None else None
         return tokens, logps
@@ -811,10 +820,12 @@ class VLLMEngine:
             chunk = prompt_ids[start : start + per_call]
             prompts = [self._vllm.TokensPrompt(prompt_token_ids=list(ids)) for ids in chunk]
             chunk_params = params if seed is None else params[start : start + per_call]
-            # a bar on rank 0 only (one console), and never a disabled one: vLLM divides by a disabled bar's elapsed
-            # time (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+            # a bar on rank 0 only (one console), where tqdm would draw one (common.bars_off: a terminal, no
+            # TQDM_DISABLE), and never a disabled one: vLLM divides by a disabled bar's elapsed time
+            # (entrypoints/common/offline.py _run_engine: ZeroDivisionError)
+            bar = bool(progress) and self.rank == 0 and common.bars_off() is None and sys.stderr.isatty()
             with self._engine_threads():
-                outputs = self.llm.generate(prompts, sampling_params=chunk_params, use_tqdm=bool(progress) and self.rank == 0)
+                outputs = self.llm.generate(prompts, sampling_params=chunk_params, use_tqdm=bar)
             if len(outputs) != len(chunk):
                 raise RuntimeError(f"vLLM returned {len(outputs)} request outputs for {len(chunk)} prompts")
             for ids, request in zip(chunk, outputs):  # LLM.generate returns outputs in prompt order
@@ -826,6 +837,11 @@ class VLLMEngine:
                         raise RuntimeError(f"vLLM completion finished with {c.finish_reason!r}")
                     toks = [int(t) for t in c.token_ids]
                     logps = _sampled_logprobs(c.logprobs, toks)
+                    if not all(map(math.isfinite, logps)):  # what vLLM sampled from was broken (its logits are not seen)
+                        raise common.NonFiniteError(
+                            "non-finite values (NaN or inf) in the vllm engine's log-probs of its sampled tokens (its "
+                            "weights, or --dtype fp16 overflowing)"
+                        )
                     decodable = [t for t in toks if t < self.num_decodable]
                     undecodable += len(toks) - len(decodable)
                     text = self.tokenizer.decode(decodable, skip_special_tokens=True)

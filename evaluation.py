@@ -434,11 +434,17 @@ def evaluate(engine, eval_set: EvalSet, seed: int | None = None) -> tuple[dict, 
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
             torch.manual_seed(seed + common.RANK_SEED_STRIDE * w.rank)  # run.rank_seed
-        if mine is None:
-            rollout = engine.generate(prompts, n, p.max_new_tokens, p.temperature, **sampling)
-        else:
-            ids = [i % N for i in mine]
-            rollout = engine.generate([prompts[i] for i in ids], n, p.max_new_tokens, p.temperature, group_ids=ids, **sampling)
+        try:
+            if mine is None:
+                rollout = engine.generate(prompts, n, p.max_new_tokens, p.temperature, **sampling)
+            else:  # a rank whose engine fails stops every rank (World.agree)
+                ids = [i % N for i in mine]
+                gen = [[prompts[i] for i in ids], n, p.max_new_tokens, p.temperature]
+                rollout = w.agree(engine.generate, *gen, group_ids=ids, **sampling)
+        except common.NonFiniteError as exc:
+            error = verifiers.RunError(f"{exc}, in the evaluation of {eval_set.label}; the last checkpoint is intact")
+            error.on_every_rank = getattr(exc, "on_every_rank", False)
+            raise error from None
     if mine is None:
         problems = [q for q in task.problems for _ in range(n)]
         rewards, answers = verifiers.grade(task, p.grader, problems, rollout.texts)

@@ -285,7 +285,9 @@ def main(args: Args) -> None:
             if producer is None:
                 problem_idx, prompts, seed = draw_prompts(step, k)
                 # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-                rollout = common.generate_rollout(engine, prompts, G, args.max_new_tokens, args.temperature, seed, minibatches)
+                rollout = common.generate_rollout(
+                    engine, prompts, G, args.max_new_tokens, args.temperature, seed, minibatches, step
+                )
             else:  # drawn and generated ahead under weight version rollout.version, rollout.lag updates before these
                 problem_idx, rollout = producer.take(step, update)
         with timers("reward"):  # verifiers.py scores every row
@@ -301,7 +303,7 @@ def main(args: Args) -> None:
     if start_step == 0:
         eval_before = run_eval(0)
     eval_after = eval_before
-    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=not world.is_main)
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=common.bars_off())
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
@@ -393,7 +395,7 @@ def main(args: Args) -> None:
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
             bar_desc = f"stage {step} update"  # ALGO LOGIC
-            upd_bar = tqdm(minibatches, desc=bar_desc, leave=False, unit="upd", disable=not world.is_main)  # ALGO LOGIC
+            upd_bar = tqdm(minibatches, desc=bar_desc, leave=False, unit="upd", disable=common.bars_off())  # ALGO LOGIC
             for staleness, mb_rows in enumerate(upd_bar):  # staleness: updates since the stage's rollouts  # ALGO LOGIC
                 mb_tokens = max((mask[mb_rows].sum(1) * in_loss[mb_rows]).sum().item(), 1.0)  # token-mean denominator
                 mb_seqs = in_loss[mb_rows].sum().item()  # the sequence count of the other aggregations
@@ -427,6 +429,7 @@ def main(args: Args) -> None:
                         is_weights=is_weights,
                     )
                     # TRY NOT TO MODIFY: the micro-batch's share of the mini-batch's loss and statistics
+                    common.check_finite(step, update + 1, micro_mask, logp=logp, old=old, ref=ref, loss=loss)  # NaN, inf: stop
                     weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), mb_seqs)
                     scaler.scale(loss * weight).backward()  # fp16: the loss scaled; bf16 / fp32: unchanged
                     n_tok = micro_mask.sum().item()
@@ -488,6 +491,7 @@ def main(args: Args) -> None:
         rollout_metrics |= model_metrics  # LoRA's trainable parameters
         rollout_metrics |= producer.metrics() if producer is not None else {}  # --async-lag: async/ and its perf/
         rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
+        rollout_metrics |= common.learning_signal(step, rollout_metrics, update_metrics)  # a step that cannot learn: said
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})
         common.CONSOLE.info(

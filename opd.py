@@ -248,7 +248,9 @@ def main(args: Args) -> None:
             if producer is None:
                 problem_idx, prompts, seed = draw_prompts(step, k)
                 # torchrun: this rank's groups only (a ShardedRollout addressed by global row); world size 1: all
-                rollout = common.generate_rollout(engine, prompts, G, args.max_new_tokens, args.temperature, seed, minibatches)
+                rollout = common.generate_rollout(
+                    engine, prompts, G, args.max_new_tokens, args.temperature, seed, minibatches, step
+                )
             else:  # drawn and generated ahead under weight version rollout.version, rollout.lag updates before these
                 problem_idx, rollout = producer.take(step, update)
         with timers("reward"):  # verifiers.py scores every row
@@ -264,7 +266,7 @@ def main(args: Args) -> None:
     if start_step == 0:
         eval_before = run_eval(0)
     eval_after = eval_before
-    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=not world.is_main)
+    bar = tqdm(total=args.total_steps, initial=start_step, desc="train", unit="step", disable=common.bars_off())
     for step in range(start_step + 1, args.total_steps + 1):
         timers.reset_step()
         # TRY NOT TO MODIFY: rollout
@@ -341,7 +343,7 @@ def main(args: Args) -> None:
             producer.dispatch_ahead(step)  # after what a method picks from this batch (the next prompts, say)
         update_metrics = []  # one dict per optimizer update
         with timers("train"):
-            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd", disable=not world.is_main):
+            for mb_rows in tqdm(minibatches, desc="update", leave=False, unit="upd", disable=common.bars_off()):
                 mb_tokens = max((mask[mb_rows].sum(1) * in_loss[mb_rows]).sum().item(), 1.0)  # token-mean denominator
                 mb_seqs = in_loss[mb_rows].sum().item()  # the sequence count of the other aggregations
                 sums = dict.fromkeys(("policy_loss", "clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "entropy"), 0.0)
@@ -375,6 +377,7 @@ def main(args: Args) -> None:
                         max_tokens=args.max_new_tokens,
                     )
                     # TRY NOT TO MODIFY: the micro-batch's share of the mini-batch's loss and statistics
+                    common.check_finite(step, update + 1, micro_mask, logp=logp, old=old, ref=ref, loss=loss)  # NaN, inf: stop
                     weight = common.accumulation_weight(loss_unit, micro_mask, mb_tokens, len(micro), mb_seqs)
                     scaler.scale(loss * weight).backward()  # fp16: the loss scaled; bf16 / fp32: unchanged
                     n_tok = micro_mask.sum().item()
@@ -421,6 +424,7 @@ def main(args: Args) -> None:
         rollout_metrics |= model_metrics  # LoRA's trainable parameters
         rollout_metrics |= producer.metrics() if producer is not None else {}  # --async-lag: async/ and its perf/
         rollout_metrics |= correction.metrics()  # mismatch/ (and rollout_is/ with a correction): the update loop's rows
+        rollout_metrics |= common.learning_signal(step, rollout_metrics, update_metrics, args.opd_reward)  # ALGO LOGIC
         rollout_metrics |= opd_metrics(world.sum(opd_sums))  # the batch's, every rank's rows  # ALGO LOGIC
         for i, metrics in enumerate(update_metrics):  # rollout keys on the step's first update row
             logger.log({"step": step, **metrics, "wall_s": time.time() - t_start, **(rollout_metrics if i == 0 else {})})

@@ -47,6 +47,7 @@ def open_run_logger(args, run_dir: str, resume_from_step: int | None = None) -> 
     if resume_from_step is not None:
         for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl"):  # torn last lines dropped too
             _truncate_jsonl_after_step(os.path.join(run_dir, name), resume_from_step)
+        record_resume(args, run_dir, resume_from_step)
     with open(os.path.join(run_dir, "args.json"), "w") as f:
         json.dump(dataclasses.asdict(args), f, indent=2)
     logger = common.RunLogger(run_dir)
@@ -72,6 +73,26 @@ def open_run_logger(args, run_dir: str, resume_from_step: int | None = None) -> 
         logger.writers.append(lambda row, x: wandb_run.log(row, step=x))
         logger.closers.append(wandb_run.finish)
     return logger
+
+
+def record_resume(args, run_dir: str, step: int) -> None:
+    """resumes.jsonl: one row per resume, the step it starts after and every setting that changed (a resumed run may
+    change only run.MAY_CHANGE_ON_RESUME: the step budget, the cadences, logging, memory and speed), old and new; the
+    settings as now hold go to args.json."""
+    before = {}
+    if os.path.isfile(os.path.join(run_dir, "args.json")):
+        with open(os.path.join(run_dir, "args.json")) as f:
+            before = json.load(f)
+    now = json.loads(json.dumps(dataclasses.asdict(args)))
+    changed = {k: [before[k], v] for k, v in now.items() if k in before and before[k] != v and k != "resume"}
+    row = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "changed": changed}
+    with open(os.path.join(run_dir, "resumes.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if changed:
+        common.CONSOLE.info(
+            f"resumed with {', '.join(f'{k} {o!r} -> {n!r}' for k, (o, n) in changed.items())} from step {step} "
+            "(resumes.jsonl)"
+        )
 
 
 def _truncate_jsonl_after_step(path: str, step: int) -> None:
@@ -201,7 +222,7 @@ def find_resume(resume: str, total_steps: int | None = None) -> Resume:
     if os.path.basename(path) == "model" and _step_of(os.path.basename(os.path.dirname(path))) is not None:
         path = os.path.dirname(path)
     if _step_of(os.path.basename(path)) is not None or os.path.isfile(os.path.join(path, "trainer_state.pt")):
-        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        run_dir = run.resume_run_dir(path)
         try:
             model_dir, state = read_checkpoint(path)
         except ValueError as exc:
@@ -255,7 +276,7 @@ def read_checkpoint(ckpt: str) -> tuple[str, dict]:
     if not os.path.isfile(path):
         raise ValueError("no trainer_state.pt")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain containers, never an object
     except Exception as exc:  # truncated zip, unpickling error, ...
         raise ValueError(
             f"trainer_state.pt is unreadable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
@@ -472,10 +493,29 @@ def _retire_checkpoints(run_dir: str, step: int, keep_last: int) -> None:
 
 
 def _fsync_tree(root: str) -> None:
-    for dirpath, _, files in os.walk(root):
+    """Every file of a folder written to disk, with the modes the user's umask gives (a library that writes through a
+    temporary file leaves it 0600: transformers' model.safetensors), so a run folder shared with a group is readable."""
+    mask = umask()
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(dirpath, name), 0o777 & ~mask)
         for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
+            path = os.path.join(dirpath, name)
+            os.chmod(path, 0o666 & ~mask)
+            with open(path, "rb") as f:
                 os.fsync(f.fileno())
+    os.chmod(root, 0o777 & ~mask)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (/proc), else by setting it back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def _remove_stale_tmp(folder: str) -> None:

@@ -12,6 +12,8 @@ processes     init_world -> DistributedWorld (torchrun at any world size; common
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -19,6 +21,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -524,29 +527,189 @@ SANDBOX_LOG.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else log
 
 
 def parse_args(args_cls: type, argv: Sequence[str] | None = None):
-    """Build the CLI from a dataclass: `--flag-name` (and `--flag_name`), help text per field, defaults shown,
-    Literal fields as choices. `--config FILE` (a run's args.json, or YAML) supplies the values; flags on the
-    command line override them."""
-    import argparse
-
+    """Build the CLI from a dataclass: `--flag-name` (also `--flag_name`; no abbreviation: a prefix is an error that
+    names the flags meant), help text per field in groups (the script's own flags first), defaults shown, Literal
+    fields as choices. `--config FILE` (a run's args.json, or YAML) supplies the values; `--resume RUN` takes the
+    run's own args.json (resumed_settings), and a flag given that changes what the run is, with another value than
+    it was started with, is refused (check_resumed). Flags on the command line override the rest."""
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(args_cls, description=(sys.modules["__main__"].__doc__ or "").split("\n")[0])
-    pre = argparse.ArgumentParser(add_help=False)
+    script = os.path.splitext(os.path.basename(sys.argv[0] or "script.py"))[0]
+    doc = (sys.modules["__main__"].__doc__ or "").split("\n")[0]
+    parser = HfArgumentParser(
+        args_cls,
+        description=doc,
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+        usage=f"python {script}.py [--flag value ...]",
+    )
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default="")
-    config = pre.parse_known_args(argv)[0].config
-    values = load_config(config, args_cls) if config else {}
-    parser.set_defaults(**values)
+    pre.add_argument("--resume", default="")
+    known = pre.parse_known_args(argv)[0]
+    if known.config and known.resume:
+        raise UserError(
+            f"--config {known.config} with --resume {known.resume}: a resumed run keeps the settings it was started with "
+            "(its args.json); drop --config"
+        )
+    values = load_config(known.config, args_cls) if known.config else {}
+    recorded = resumed_settings(known.resume, args_cls) if known.resume else {}
+    parser.set_defaults(**values, **recorded)
+    group_flags(parser, args_cls)
     parser.error = _argparse_error  # a bad value is one line (exit 2), not the usage text
     args, rest = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if rest:
-        raise UserError(f"unknown argument(s): {' '.join(rest)} (see --help)")
+        raise UserError(unknown_flags_message(rest, parser))
+    if recorded:
+        check_resumed(args, recorded, given_flags(argv, parser), known.resume)
     if values.get("exp_name") not in (None, args_cls.exp_name) and args.exp_name == values["exp_name"]:
         common.CONSOLE.warning(
-            f"note: --config {config} has exp_name {values['exp_name']!r}, which this run keeps (pass --exp-name to change it)"
+            f"note: --config {known.config} has exp_name {values['exp_name']!r}, which this run keeps (pass --exp-name to "
+            "change it)"
         )
     return args
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help as the docs spell the flags: `--num-generations` (the `--num_generations` alias works, unlisted)."""
+
+    def _format_action_invocation(self, action):
+        if action.option_strings:
+            shown = [o for o in action.option_strings if "_" not in o] or action.option_strings
+            action = copy.copy(action)
+            action.option_strings = shown
+        return super()._format_action_invocation(action)
+
+
+# --help's groups of the common flags, in this order after the script's own (every field of Args is in one)
+FLAG_GROUPS = {
+    "model and data": (
+        "model dataset question_field answer_field answer_format reward system_prompt max_prompt_tokens long_prompts "
+        "max_position_embeddings"
+    ),
+    "the step": (
+        "seed total_steps prompts_per_step num_generations max_new_tokens temperature learning_rate weight_decay "
+        "warmup_updates max_grad_norm updates_per_batch beta"
+    ),
+    "evaluation (docs/evaluation.md)": (
+        "eval_dataset eval_every eval_samples eval_limit eval_temperature eval_top_p eval_max_new_tokens eval_k "
+        "eval_protocol eval_only"
+    ),
+    "DAPO's options (docs/dapo.md)": (
+        "zero_variance dynamic_sampling max_sampling_rounds overlong_buffer overlong_penalty truncated"
+    ),
+    "LoRA (docs/lora.md)": "lora_rank lora_alpha lora_targets",
+    "the engine and precision (docs/mismatch.md, docs/precision.md)": (
+        "engine engine_dtype eager_decode gpu_memory_utilization vllm_sleep_level dtype rollout_is rollout_is_cap "
+        "max_engine_logp_diff"
+    ),
+    "asynchronous rollouts (docs/async.md)": "async_lag rollout_device rollout_threads",
+    "memory and speed": "micro_batch_tokens logp_chunk_tokens gen_batch_size gradient_checkpointing compile",
+    "run folder, checkpoints, resume, logging": (
+        "exp_name output_dir run_name save_every keep_last resume config track wandb_project log_rollouts_every"
+    ),
+}
+
+
+def group_flags(parser, args_cls: type) -> None:
+    """Sort --help into groups: the script's own flags (the fields of `args_cls` that Args does not have) first, then
+    FLAG_GROUPS. Only the listing changes; every flag parses as before."""
+    own = [
+        f.name for f in dataclasses.fields(args_cls) if f.name not in {g.name for g in dataclasses.fields(Args)} | {"exp_name"}
+    ]
+    method = next((f.default for f in dataclasses.fields(args_cls) if f.name == "exp_name"), "the script")
+    groups = {f"{method}.py's own flags (the method)": own}
+    groups |= {title: names.split() for title, names in FLAG_GROUPS.items()}
+    by_dest = {a.dest: a for a in parser._optionals._group_actions}
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            if name in by_dest:
+                parser._optionals._group_actions.remove(by_dest[name])
+                group._group_actions.append(by_dest.pop(name))
+    parser._optionals.title = "help"
+
+
+def given_flags(argv: Sequence[str], parser) -> set[str]:
+    """The fields named on the command line (`--flag value` or `--flag=value`)."""
+    actions = parser._option_string_actions
+    return {actions[t.split("=", 1)[0]].dest for t in argv if t.startswith("--") and t.split("=", 1)[0] in actions}
+
+
+def unknown_flags_message(rest: Sequence[str], parser) -> str:
+    """unknown argument(s) ..., naming the flags a prefix or a near spelling meant."""
+    import difflib
+
+    flags = sorted({o for o in parser._option_string_actions if o.startswith("--") and "_" not in o})
+    hints = []
+    for token in (t.split("=", 1)[0] for t in rest if t.startswith("--")):
+        meant = [f for f in flags if f.startswith(token)] or difflib.get_close_matches(token, flags, n=3, cutoff=0.75)
+        if meant:
+            hints.append(f"{token} is not a flag (flags are never abbreviated): did you mean {' or '.join(meant[:4])}?")
+    return f"unknown argument(s): {' '.join(rest)}" + (f"; {'; '.join(hints)}" if hints else " (see --help)")
+
+
+# Flags a resumed run may change: the step budget, the evaluation and save cadence, checkpoints kept, logging, where
+# the run folder is, and the knobs of memory and speed (not of what is computed: the same numbers up to rounding)
+MAY_CHANGE_ON_RESUME = (
+    "total_steps eval_every eval_only save_every keep_last log_rollouts_every track wandb_project output_dir run_name "
+    "resume config micro_batch_tokens logp_chunk_tokens gen_batch_size gradient_checkpointing compile "
+    "gpu_memory_utilization vllm_sleep_level eager_decode rollout_threads"
+).split()
+
+
+def resume_run_dir(resume: str) -> str:
+    """The run folder of a --resume value: the folder itself, or the run of a checkpoints/step_N (or its model/)."""
+    path = os.path.normpath(resume)
+    if os.path.basename(path) == "model" and re.fullmatch(r"step_\d+", os.path.basename(os.path.dirname(path))):
+        path = os.path.dirname(path)
+    if re.fullmatch(r"step_\d+", os.path.basename(path)) or os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        return os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def resumed_settings(resume: str, args_cls: type) -> dict:
+    """The settings a run was started with (its args.json), the defaults of its resumed command line; {} when the
+    folder has none (the checks of --resume say what is wrong). A run of another script is one error line."""
+    path = os.path.join(resume_run_dir(resume), "args.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(
+            f"--resume {resume}: {path} is unreadable ({exc}); it records the settings the run was started with"
+        ) from None
+    script = dataclasses.fields(args_cls)
+    own = next((f.default for f in script if f.name == "exp_name"), None)
+    if isinstance(data, dict) and data.get("exp_name") not in (None, own) and own is not None:
+        raise UserError(f"--resume {resume}: the run was made by {data['exp_name']}.py; resume it with that script")
+    import typing
+
+    hints, names = typing.get_type_hints(args_cls), {f.name for f in script}
+    dropped = [k for k in data if k not in names]
+    if dropped:
+        common.CONSOLE.warning(
+            f"note: --resume {resume}: {path} records {', '.join(dropped)}, which this script does not take"
+        )
+    return {k: _config_value(path, k, v, hints[k]) for k, v in data.items() if k in names and k not in ("resume", "config")}
+
+
+def check_resumed(args, recorded: dict, given: set[str], resume: str) -> None:
+    """A flag given on a resumed command line with another value than the run was started with: refused in one line,
+    unless it is one a resumed run may change (MAY_CHANGE_ON_RESUME; outputs.open_run_logger records those)."""
+    for name in sorted(given):
+        if name in MAY_CHANGE_ON_RESUME or name not in recorded or getattr(args, name) == recorded[name]:
+            continue
+        shown = lambda v: " ".join(map(str, v)) if isinstance(v, list) else v
+        flag = "--" + name.replace("_", "-")
+        raise UserError(
+            f"{flag} {shown(getattr(args, name))}: the run {resume_run_dir(resume)} was started with {flag} "
+            f"{shown(recorded[name])} (its args.json), and a resumed run keeps what it is; drop the flag, or start a new "
+            f"run (a resumed run may change {', '.join('--' + n.replace('_', '-') for n in MAY_CHANGE_ON_RESUME[:7])}, ...)"
+        )
 
 
 def _argparse_error(message: str):
@@ -675,6 +838,7 @@ def setup(args) -> tuple[common.World, torch.device]:
     validate_args(args)
     w = init_world()
     set_cpu_threads()
+    quiet_library_bars()
     device = pick_device()
     if args.dtype == "fp16" and device.type != "cuda":
         raise UserError("--dtype fp16 needs a CUDA GPU: on CPU the scripts compute in fp32 (no autocast)")
@@ -692,6 +856,19 @@ def setup(args) -> tuple[common.World, torch.device]:
         args.gen_batch_size = args.gen_batch_size or models.GEN_BATCH_CPU  # args.json: the value used
     seed_everything(args.seed)
     return w, device
+
+
+def quiet_library_bars() -> None:
+    """transformers' and datasets' own progress bars (loading weights, writing shards) by tqdm's rule, as the scripts'
+    (common.bars_off): none where the output is not a terminal or TQDM_DISABLE is set."""
+    if common.bars_off() is None and sys.stderr.isatty():
+        return
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def pick_device() -> torch.device:
@@ -873,7 +1050,9 @@ class DistributedWorld(common.World):
         failures = [(r, f) for r, f in enumerate(self.gather_objects(failure)) if f is not None]
         if failures:
             rank, (kind, message) = failures[0]
-            error = (UserError if kind == "UserError" else RunError)(f"{message} (rank {rank})")
+            error = {"UserError": UserError, "NonFiniteError": common.NonFiniteError}.get(kind, RunError)(
+                f"{message} (rank {rank})"
+            )
             error.on_every_rank = True  # command_line prints it on rank 0 only
             raise error
         return result

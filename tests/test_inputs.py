@@ -320,10 +320,10 @@ def test_help_lists_every_flag_with_its_default(method, monkeypatch, capsys):
     text = capsys.readouterr().out
     entries = {e.split()[0].split(",")[0].split("=")[0]: e for e in ("\n" + text).split("\n  --")[1:]}
     for f in dataclasses.fields(mod.Args):
-        entry = entries.get(f.name)
-        assert entry is not None, f"--{f.name} missing from --help"
+        entry = entries.get(f.name.replace("_", "-"))  # spelled as the docs spell it
+        assert entry is not None, f"--{f.name.replace('_', '-')} missing from --help"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert f"(default:{default})".replace(" ", "") in "".join(entry.split()), (f.name, entry)  # help wraps anywhere
     if method == "mugrpo":
-        assert "(default:3)" in "".join(entries["total_steps"].split())  # the stage default, not grpo.py's 12
-        assert "{none,trigger,suffix,suffix_nontrigger,sequence}" in entries["veto_scope"]
+        assert "(default:3)" in "".join(entries["total-steps"].split())  # the stage default, not grpo.py's 12
+        assert "{none,trigger,suffix,suffix_nontrigger,sequence}" in entries["veto-scope"]

@@ -812,3 +812,16 @@ def test_engine_auto_with_a_vllm_that_does_not_import_is_one_line_before_anythin
     with pytest.raises(verifiers.UserError, match=r"--engine vllm needs vLLM, but `import vllm` fails \(ImportError"):
         run.validate_args(grpo.Args(engine="vllm", output_dir=out))
     run.validate_args(grpo.Args(engine="hf", output_dir=out))  # the HF engine never imports it
+
+
+def test_generate_refuses_non_finite_log_probs(fake, monkeypatch):
+    """What vLLM sampled from was broken (its logits are not seen here): its NaN log-prob stops the run (08e5dbc
+    trained on it)."""
+    import common
+    import engines
+
+    eng = make_engine()
+    real = engines._sampled_logprobs
+    monkeypatch.setattr(engines, "_sampled_logprobs", lambda lp, toks: [float("nan"), *real(lp, toks)[1:]])
+    with pytest.raises(common.NonFiniteError, match="in the vllm engine's log-probs of its sampled tokens"):
+        eng.generate([[5, 6, 7]], n=2, max_new_tokens=4, temperature=1.0)
