@@ -122,7 +122,7 @@ def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[
     if task.kind == "arith":
         return [arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
     if task.kind == "math":
-        return math_rewards_batch(list(completions), [p["answer"] for p in problems])
+        return math_rewards_batch(list(completions), [p["answer"] for p in problems], questions=_questions(problems))
     values = code_rewards_batch(list(completions), list(problems))
     failed = [i for i, v in enumerate(values) if v is None]
     if failed:
@@ -135,6 +135,10 @@ def compute_rewards(task: Task, problems: Sequence[dict], completions: Sequence[
                 "(no reward was invented)"
             )
     return values
+
+
+def _questions(problems: Sequence[dict]) -> list[str | None]:
+    return [p.get("question") if isinstance(p.get("question"), str) else None for p in problems]
 
 
 def load_task(
@@ -650,6 +654,7 @@ def check_golds(task: Task, answer_format: str = "auto") -> None:
     line that says what the answers look like and which flag fixes it."""
     answers = [p["answer"] for p in task.problems]
     if task.kind == "math":  # a gold of several answers: every one of them parses
+        math_pool.state_limits()
         flat = [a for answer in answers for a in (answer if isinstance(answer, list) else [answer])]
         parsed = iter(math_golds_parse(flat))
         parses = [all([next(parsed) for _ in (a if isinstance(a, list) else [a])]) for a in answers]
@@ -938,12 +943,13 @@ def arith_reward(completion: str, answer: str) -> float:
 # Math (math-verify in worker processes)
 # ---------------------------------------------------------------------------------------------
 
-MATH_TIMEOUT_S = 5.0  # hard bound per call, enforced by the caller (the worker is killed past it)
+MATH_TIMEOUT_S = 20.0  # the wall-clock backstop of a request (the worker killed past it); its limits are CPU time
 _MAX_ANSWER_CHARS = 1000  # longer boxed predictions score 0.0 without parsing
 # Cheap pre-check against answers whose evaluation explodes: a numeric power tower (9^{9^{9}}),
-# an exponent literal of 7+ digits, a factorial of a 6+ digit number. math-verify's timeouts and
-# the outer timeout would also stop them, but only after seconds and a worker restart.
-_EXPLOSIVE_RE = re.compile(r"\^\s*\{?\s*\(?\s*\d+\s*\)?\s*\}?\s*\^\s*\{?\s*\(?\s*\d|\^\s*\{?\s*\d{7}|\d{6}\s*!")
+# an exponent literal of 7+ digits, a factorial of a 6+ digit number. The worker's CPU limits would also stop
+# them, but only after seconds and a worker restart. Run on the answer with its whitespace removed, and with no
+# two quantifiers that could share characters (the digits possessive): linear in the answer's length.
+_EXPLOSIVE_RE = re.compile(r"\^\{?\(?\d++\)?\}?\^\{?\(?\d|\^\{?\d{7}|\d{6}!")
 
 
 def _gold_latex(answer: str) -> str:
@@ -959,7 +965,9 @@ def _squash(latex: str) -> str:
     return re.sub(r"\s+", "", latex)
 
 
-def math_reward(completion: str, answer: str | list[str], timeout: float = MATH_TIMEOUT_S) -> float:
+def math_reward(
+    completion: str, answer: str | list[str], timeout: float = MATH_TIMEOUT_S, question: str | None = None
+) -> float:
     """1.0 if the LAST `\\boxed{...}` of `completion` is equal to `answer` per math-verify, else 0.0.
 
     Strict: no box (or an unclosed last box) scores 0.0, only the last box counts, the gold is
@@ -971,16 +979,20 @@ def math_reward(completion: str, answer: str | list[str], timeout: float = MATH_
     (`1/2^98` vs `1/2^99`, `(1,2)` vs `\\{1,2\\}`) and failures (`\\mathrm{e}` inside `\\frac` does not
     parse: such gold scores 0.0 for every prediction).
 
+    A final answer is an answer (the worker's rule, docs/verifiers.md): where the gold is a number, a prediction that
+    still holds an operation to carry out (a sum or product of numbers, a binomial, a factorial, an integral, a
+    power of a number, an unsimplified radical, ...) scores 0.0, and with the `question`, a prediction that is one of
+    the question's own expressions restated (not a plain number, not the gold's own form) scores 0.0.
+
     Bounded: a box longer than 1000 characters or shaped like an exploding number (numeric power
-    tower, 7-digit exponent, 6-digit factorial) scores 0.0 at once; everything else runs in a worker
-    process with math-verify's alarms (1 s per parse, 2 s per verify) and a hard `timeout` after
-    which the worker is killed and replaced. At most one worker per core is busy at a time (other
-    callers wait); `timeout` counts from the call, the wait for a free worker included (a worker's
-    first start, importing math-verify, is not counted). Safe from any thread or process; never
-    raises, except ValueError for a `timeout` that is not a positive number (inf is allowed)."""
+    tower, 7-digit exponent, 6-digit factorial) scores 0.0 at once (a linear check); everything else runs in a
+    worker process with CPU-time limits (1 s per parse, 2 s per verify: the neighbours' load changes no verdict)
+    and a wall-clock backstop `timeout` after which the worker is killed and replaced. At most one worker per core
+    of the node is busy at a time, every rank's and the code sandbox's runs together (other callers wait, and the
+    wait does not count: `timeout` starts when the request is sent; a worker's first start is not counted). Safe
+    from any thread or process; never raises, except ValueError for a `timeout` that is not a positive number."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"math_reward: timeout must be a positive number of seconds, got {timeout!r}")
-    deadline = time.monotonic() + timeout  # infinite for timeout=inf
     try:
         if not isinstance(completion, str) or answer is None:
             return 0.0
@@ -988,12 +1000,12 @@ def math_reward(completion: str, answer: str | list[str], timeout: float = MATH_
         answer = _joined_gold(answer)
         if content is None or not content.strip() or not answer.strip():
             return 0.0
-        if len(content) > _MAX_ANSWER_CHARS or _EXPLOSIVE_RE.search(content):
+        if len(content) > _MAX_ANSWER_CHARS or _EXPLOSIVE_RE.search(_squash(content)):
             return 0.0
         gold = _gold_latex(answer)
         if gold != answer.strip() and _squash(content) == _squash(answer):
             return 1.0  # the prediction is written exactly as the (bare) gold
-        return 1.0 if math_pool.ask(gold, "\\boxed{" + content + "}", timeout, deadline) else 0.0
+        return 1.0 if math_pool.ask(gold, "\\boxed{" + content + "}", timeout, question) else 0.0
     except Exception:  # noqa: BLE001 - a reward never raises
         log.debug("math_reward scored 0.0 after an error", exc_info=True)
         return 0.0
@@ -1021,7 +1033,7 @@ def math_golds_parse(answers: list[str], workers: int | None = None, timeout: fl
 
     def one(answer: str) -> bool:
         answer = str(answer).strip()
-        return bool(answer) and math_pool.ask(_gold_latex(answer), None, timeout, time.monotonic() + timeout)
+        return bool(answer) and math_pool.ask(_gold_latex(answer), None, timeout)
 
     workers = max(1, min(workers or _num_cores(), len(answers) or 1))
     with ThreadPoolExecutor(workers) as pool:
@@ -1029,16 +1041,23 @@ def math_golds_parse(answers: list[str], workers: int | None = None, timeout: fl
 
 
 def math_rewards_batch(
-    completions: list[str], answers: list[str], workers: int | None = None, timeout: float = MATH_TIMEOUT_S
+    completions: list[str],
+    answers: list[str],
+    workers: int | None = None,
+    timeout: float = MATH_TIMEOUT_S,
+    questions: Sequence[str | None] | None = None,
 ) -> list[float]:
-    """`math_reward` over pairs, `workers` at a time (default: the number of cores), in order."""
-    if len(completions) != len(answers):
-        raise ValueError(f"math_rewards_batch: {len(completions)} completions but {len(answers)} answers")
+    """`math_reward` over pairs (with each one's question, where given), `workers` at a time (default: the number of
+    cores), in order."""
+    if len(completions) != len(answers) or (questions is not None and len(questions) != len(answers)):
+        raise ValueError(f"math_rewards_batch: {len(completions)} completions but {len(answers)} answers or questions")
+    questions = list(questions) if questions is not None else [None] * len(answers)
     workers = max(1, min(workers or _num_cores(), len(completions) or 1))
+    one = lambda c, a, q: math_reward(c, a, timeout, q)
     if workers == 1:
-        return [math_reward(c, a, timeout) for c, a in zip(completions, answers)]
+        return [one(*triple) for triple in zip(completions, answers, questions)]
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda pair: math_reward(pair[0], pair[1], timeout), zip(completions, answers)))
+        return list(pool.map(one, completions, answers, questions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1262,7 +1281,7 @@ def grade(
         rewards = compute_rewards(task, problems, completions)
         grader = task.kind
     elif grader == "math":
-        rewards = math_rewards_batch(list(completions), [p["answer"] for p in problems])
+        rewards = math_rewards_batch(list(completions), [p["answer"] for p in problems], questions=_questions(problems))
     elif grader == "arith":
         rewards = [arith_reward(c, p["answer"]) for c, p in zip(completions, problems)]
     else:

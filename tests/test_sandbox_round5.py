@@ -552,14 +552,14 @@ def test_a_run_that_gets_no_permit_is_an_error_not_a_hang(monkeypatch):
     """Every permit of the node held (by a stopped rank, say): a run waits NODE_CORE_WAIT_S in the node's queue, then
     is "error" (reward None: the caller retries, then stops the run), never a hang."""
     monkeypatch.setattr(S, "NODE_CORE_WAIT_S", 0.5)
-    held = [S._take_node_core() for _ in range(S.runs_at_once())]
+    held = [S.take_node_core() for _ in range(S.runs_at_once())]
     try:
         start = time.monotonic()
         verdict = V.code_verdict(RIGHT, ADD, timeout=5.0)
         waited = time.monotonic() - start
     finally:
         for fd in held:
-            S._give_node_core(fd)
+            S.give_node_core(fd)
     assert verdict.status == "error" and "no run permit" in verdict.stderr_tail, verdict
     assert 0.5 <= waited < 3.0, waited
     assert V.code_verdict(RIGHT, ADD, timeout=5.0).status == "passed"
