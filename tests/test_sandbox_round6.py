@@ -257,7 +257,8 @@ def test_attack_a_non_root_trainers_permits_are_hidden_from_its_runs():
         permits = os.path.join(scratch, f"verifiers-cores-{NON_ROOT_UID}")
         program = (
             "import os\nSEEN = []\n"
-            f"try:\n    SEEN += os.listdir({permits!r})\n    os.open({permits!r} + '/cpu0', os.O_RDONLY)\n    SEEN.append('opened')\n"
+            f"try:\n    SEEN += os.listdir({permits!r})\n"
+            f"    os.open({permits!r} + '/cpu0', os.O_RDONLY)\n    SEEN.append('opened')\n"
             "except OSError:\n    pass\n"
             "def add(a, b):\n    return 0 if SEEN else a + b\n"
         )
