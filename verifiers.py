@@ -1035,9 +1035,7 @@ def math_golds_parse(answers: list[str], workers: int | None = None, timeout: fl
         answer = str(answer).strip()
         return bool(answer) and math_pool.ask(_gold_latex(answer), None, timeout)
 
-    workers = max(1, min(workers or _num_cores(), len(answers) or 1))
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, answers))
+    return math_pool.run_all(one, [(a,) for a in answers], max(1, min(workers or _num_cores(), len(answers) or 1)))
 
 
 def math_rewards_batch(
@@ -1053,11 +1051,9 @@ def math_rewards_batch(
         raise ValueError(f"math_rewards_batch: {len(completions)} completions but {len(answers)} answers or questions")
     questions = list(questions) if questions is not None else [None] * len(answers)
     workers = max(1, min(workers or _num_cores(), len(completions) or 1))
-    one = lambda c, a, q: math_reward(c, a, timeout, q)
-    if workers == 1:
-        return [one(*triple) for triple in zip(completions, answers, questions)]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, completions, answers, questions))
+    return math_pool.run_all(
+        lambda c, a, q: math_reward(c, a, timeout, q), list(zip(completions, answers, questions)), workers
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ exit); `state_limits` says the workers' limits once."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import sandbox
 from sandbox import SITE_DIRS as _SITE_DIRS
@@ -171,14 +173,11 @@ def ask(gold_latex: str, pred_latex: str | None, timeout: float, question: str |
             log.warning("math worker: none free within %.0f s, answered False", sandbox.NODE_CORE_WAIT_S)
             return False
         try:
-            permit = sandbox.take_node_core()
-            try:
+            with node_permit():
                 worker = _borrow_math_worker()
                 ok, recycle = worker.ask(gold_latex, pred_latex, question, timeout)
                 (worker.close if recycle else lambda: _return_math_worker(worker))()
                 worker = None
-            finally:
-                sandbox.give_node_core(permit)
         finally:
             slots.release()
         return ok
@@ -194,6 +193,45 @@ def ask(gold_latex: str, pred_latex: str | None, timeout: float, question: str |
     finally:
         if worker is not None:  # timed out, died or interrupted mid-request: never reuse it
             worker.close()
+
+
+_held = threading.local()  # the node permit this thread holds (node_permit), if any
+
+
+@contextlib.contextmanager
+def node_permit():
+    """One of the node's run permits for this thread, from sandbox.take_node_core (inside another: the one held)."""
+    if getattr(_held, "fd", None) is not None:
+        yield
+        return
+    _held.fd = sandbox.take_node_core()
+    try:
+        yield
+    finally:
+        sandbox.give_node_core(_held.fd)
+        _held.fd = None
+
+
+def run_all(fn, calls: list[tuple], workers: int) -> list:
+    """[fn(*call) for call in calls], `workers` threads at a time, in order; each thread holds one node permit for its
+    whole share (a permit per request would cost every request a lock and an open)."""
+    if workers <= 1:
+        with node_permit():
+            return [fn(*call) for call in calls]
+    results, todo, lock = [None] * len(calls), iter(enumerate(calls)), threading.Lock()
+
+    def share(_) -> None:
+        with node_permit():
+            while True:
+                with lock:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                results[item[0]] = fn(*item[1])
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(share, range(workers)))
+    return results
 
 
 _stated = False

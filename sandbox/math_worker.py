@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import sys
 
@@ -247,8 +248,6 @@ def not_an_answer(pred: str, gold_text: str, gold, question: str | None) -> bool
 
 
 def main(site_folders: list[str]) -> None:
-    import resource
-
     sys.path.extend(site_folders)
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     if hard == resource.RLIM_INFINITY or hard > WORKER_MEMORY:
@@ -280,7 +279,9 @@ def main(site_folders: list[str]) -> None:
 
 
 def resident() -> int:
-    """This process's resident memory now, in bytes."""
+    """This process's resident memory now, in bytes (read only once its peak passed the limit: a cheap test first)."""
+    if resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 <= RESIDENT_LIMIT:
+        return 0
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
