@@ -20,6 +20,7 @@ import pytest
 
 import sandbox as S
 import verifiers as V
+from sandbox import math_pool
 
 pytestmark = pytest.mark.slow  # the verifiers and the sandbox at length: left out of the quick tier, pytest -m "not slow"
 
@@ -244,7 +245,8 @@ MATH_CASES = [
     ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}", 1.0),
     ("\\boxed{\\{1, 2\\}}", "\\{1,2,3\\}", 0.0),
     # symbolic forms
-    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 1.0),
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}", 0.0),  # a radical left unsimplified: an operation (issue 62's rule)
+    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),  # the gold written so: no rule
     ("\\boxed{2}", "2\\sqrt{3}", 0.0),  # bare gold is wrapped in \boxed{} (unwrapped it parses as 2)
     ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
     ("\\boxed{x^2+2x}", "x^2+2x+1", 0.0),
@@ -335,7 +337,7 @@ def _score_in_child(pair):
 
 def test_math_reward_from_forked_pool_processes():
     assert V.math_reward("\\boxed{0.5}", "1/2") == 1.0  # the parent holds a worker when forking
-    pairs = [("\\boxed{0.5}", "1/2"), ("\\boxed{0.4}", "1/2"), ("\\boxed{\\sqrt{12}}", "2\\sqrt{3}")]
+    pairs = [("\\boxed{0.5}", "1/2"), ("\\boxed{0.4}", "1/2"), ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}")]
     with multiprocessing.get_context("fork").Pool(2) as pool:  # daemonic processes
         assert pool.map(_score_in_child, pairs) == [1.0, 0.0, 1.0]
 
@@ -677,32 +679,32 @@ def test_sandbox_interpreters_skip_site_processing(mode, clean_sandbox):
 def test_attack_math_worker_does_not_load_code_from_disk(monkeypatch, tmp_path):
     """Math workers run code held in memory: a rewritten math_worker.py on disk (which a program
     could write where the file system is not protected) does not change any math reward."""
-    source = open(os.path.join(os.path.dirname(V.__file__), "sandbox", "math_worker.py"), encoding="utf-8").read()
+    source = math_pool._MATH_WORKER_SRC
     tampered = source.replace("def verify_pair(", "def verify_pair(*a):\n    return True\n\n\ndef _x(")
     assert tampered != source
     (tmp_path / "sandbox").mkdir()
     (tmp_path / "sandbox" / "math_worker.py").write_text(tampered)
-    (tmp_path / "verifiers.py").write_text(open(V.__file__, encoding="utf-8").read())
-    V.close_math_workers()
-    monkeypatch.setattr(V, "__file__", str(tmp_path / "verifiers.py"))
+    (tmp_path / "sandbox" / "math_pool.py").write_text(open(math_pool.__file__, encoding="utf-8").read())
+    math_pool.close()
+    monkeypatch.setattr(math_pool, "__file__", str(tmp_path / "sandbox" / "math_pool.py"))
     try:
         assert V.math_reward("\\boxed{3}", "4") == 0.0
         assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}") == 1.0
-        V.close_math_workers()
-        monkeypatch.setattr(V, "_MATH_WORKER_SRC", tampered)  # the tampered code, were it run, passes anything
+        math_pool.close()
+        monkeypatch.setattr(math_pool, "_MATH_WORKER_SRC", tampered)  # the tampered code, were it run, passes anything
         assert V.math_reward("\\boxed{3}", "4") == 1.0
     finally:
-        V.close_math_workers()
+        math_pool.close()
 
 
 def test_math_worker_skips_site_processing():
-    V.close_math_workers()
-    worker = V._MathWorker()
+    math_pool.close()
+    worker = math_pool._MathWorker()
     try:
         argv = worker.proc.args
         assert "-S" in argv and "-I" in argv, argv
         assert V.__file__ not in " ".join(argv) and "math_worker.py" not in " ".join(argv[:-1])
-        assert worker.ask("\\boxed{1}", "\\boxed{1}", 60) is True
+        assert worker.ask("\\boxed{1}", "\\boxed{1}", None, 60) == (True, False)  # (verdict, recycle)
     finally:
         worker.close()
 
@@ -965,16 +967,20 @@ def test_math_reward_rejects_bad_timeout(timeout):
         V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=timeout)
 
 
-def test_math_reward_timeout_includes_waiting_for_a_worker(monkeypatch):
+def test_math_reward_timeout_does_not_count_the_wait_for_a_worker(monkeypatch):
+    """Issue 62 turned this round: the wait for a free worker is not counted in `timeout` (a verdict must not depend
+    on the neighbours' load); the request gets its own 0.5 s once a worker is its own (tests/test_sandbox_round6.py
+    holds the node's permits side)."""
+    V.math_reward("\\boxed{1}", "1")  # a worker started before the wait (its start is not what is measured)
     slots = threading.BoundedSemaphore(1)
     slots.acquire()  # every worker slot is busy
-    monkeypatch.setattr(V, "_math_slots", slots)
-    releaser = threading.Timer(4.0, slots.release)
+    monkeypatch.setattr(math_pool, "_math_slots", slots)
+    releaser = threading.Timer(2.0, slots.release)
     releaser.start()
     try:
         start = time.monotonic()
-        assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=0.5) == 0.0
-        assert time.monotonic() - start < 1.5
+        assert V.math_reward("\\boxed{0.5}", "\\frac{1}{2}", timeout=0.5) == 1.0
+        assert time.monotonic() - start >= 2.0
     finally:
         releaser.cancel()
 
