@@ -25,8 +25,10 @@ import atexit
 import copy
 import ctypes
 import importlib.util
+import itertools
 import os
 import queue
+import re
 import shutil
 import signal
 import time
@@ -66,6 +68,8 @@ def check_args(args, under_torchrun: bool) -> None:
             "rewards (docs/async.md); drop one of them"
         )
     device = rollout_device(args)  # a device that is not there: its own line
+    if device.type == "cuda":
+        producer_visible_devices(device, os.environ.get("CUDA_VISIBLE_DEVICES"))  # the trainer's view, mappable
     vllm = args.engine == "vllm" or (args.engine == "auto" and importlib.util.find_spec("vllm") is not None)
     if device.type == "cuda" and (device.index or 0) == 0 and vllm:
         raise UserError(
@@ -93,6 +97,41 @@ def rollout_device(args) -> torch.device:
     elif device.type != "cpu":
         raise UserError(f"--rollout-device {name}: the producer runs on cpu or cuda[:N]")
     return device
+
+
+def visible_devices(visible: str) -> list[str]:
+    """The devices CUDA_VISIBLE_DEVICES makes visible, in order, each in its own form, read as CUDA reads it (and
+    torch.cuda._parse_visible_devices): a list of GPU UUIDs (GPU-...) or of MIG instances (MIG-...), up to the first
+    entry of another form; else indices, each the digits an entry starts with, up to the first entry with none or a
+    negative one; a device named twice: none visible."""
+    entries = visible.split(",")
+    prefix = next((p for p in ("GPU-", "MIG-") if visible.startswith(p)), None)
+    if prefix:
+        named = list(itertools.takewhile(lambda e: e.startswith(prefix), entries))
+    else:
+        digits = [re.match(r"[+]?(\d+)", e.strip()) for e in entries]
+        named = [str(int(m.group(1))) for m in itertools.takewhile(bool, digits)]
+    return named if len(set(named)) == len(named) else []
+
+
+def producer_visible_devices(device: torch.device, visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES of a producer on `device`, the trainer's cuda:i: the i-th device the trainer's own
+    list makes visible, in its form (an index, a UUID or a MIG name: the child reads it as the same physical
+    device), or i where the trainer has no list. A list with no i-th device: a UserError line."""
+    index = device.index or 0
+    if visible is None:
+        return str(index)
+    named = visible_devices(visible)
+    if index < len(named):
+        return named[index]
+    raise UserError(
+        f"--rollout-device {device}: CUDA_VISIBLE_DEVICES={visible!r} makes {len(named)} device(s) visible, so the "
+        f"producer cannot be given the trainer's device {index}; name one of cuda:0..cuda:{len(named) - 1}, or fix "
+        "the list"
+        if named
+        else f"--rollout-device {device}: CUDA_VISIBLE_DEVICES={visible!r} makes no device visible (an empty list, "
+        "a device named twice or an entry CUDA does not read); fix the list"
+    )
 
 
 def start(args, model, model_path: str, lora, max_model_len: int, draw_prompts, sampler, update: int):
@@ -144,6 +183,9 @@ class Producer:
             "lora": lora,
             "max_model_len": max_model_len,
             "device": str(device),
+            "visible": producer_visible_devices(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if device.type == "cuda"
+            else None,
             "threads": producer_threads,
         }
         self.process = ctx.Process(
@@ -343,7 +385,7 @@ def produce(settings, shared, published, lock, stopping, jobs, results, parent_p
         device = torch.device(settings["device"])
         torch.set_num_threads(settings["threads"])
         if device.type == "cuda":  # its GPU only, before CUDA starts: vLLM's executor takes the first device it sees
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(device.index or 0)
+            os.environ["CUDA_VISIBLE_DEVICES"] = settings["visible"]  # the physical GPU behind the trainer's cuda:i
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         model_path = settings["model_path"]

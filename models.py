@@ -787,9 +787,9 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     fp16): vLLM's weights on a GPU; --gpu-memory-utilization, --vllm-sleep-level: vLLM's; --max-position-embeddings
     > 0: vLLM's model config gets it too (hf_overrides). --engine-dtype bf16: the HF engine generates with a bf16 copy
     of the weights and returns its log-probs (the mismatch/ metrics measure it); auto: a copy in --dtype (bf16, or
-    fp16) on a GPU in one process (its static KV cache and CUDA graphs run on the copy), the trainer's own weights
-    elsewhere (engine_copy_dtype). --gen-batch-size: the HF engine's rows generated together (run.setup resolved 0).
-    --eager-decode: the static loop without CUDA graphs."""
+    fp16) on a GPU in one process, the trainer's own weights elsewhere (engine_copy_dtype). --gen-batch-size: the HF
+    engine's rows generated together (run.setup resolved 0). --hf-decode: the HF engine's loop (dynamic; static:
+    StaticHFEngine, static-eager: the same without CUDA graphs)."""
     kind = args.engine
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
         return engines.VLLMEngine.colocated(
@@ -804,7 +804,7 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
             max_position_embeddings=args.max_position_embeddings,
         )
     return_logps = engine_logps or args.rollout_is != "none"  # a correction needs the engine's log-probs
-    on_gpu = torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
+    on_gpu = on_one_gpu(model)
     copy_dtype = engine_copy_dtype(args, on_gpu)
     low = copy_dtype is not None
     rows = args.gen_batch_size  # run.setup leaves 0 on a GPU: the rows that fit this engine's device's free memory
@@ -812,10 +812,20 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
         cuda = next(model.parameters()).device.type == "cuda"
         rows = gen_batch_for_device(model, max_model_len, copy_dtype) if cuda else GEN_BATCH_CPU
     hf = dict(gen_batch_size=rows, return_logps=return_logps or low, dtype=copy_dtype)
-    # on a GPU in one process, full attention only (StaticKV's kind): a static KV cache, its decode step a CUDA graph
-    if low and on_gpu and "sliding_attention" not in (getattr(model.config, "layer_types", None) or ()):
-        return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=not args.eager_decode)
+    # --hf-decode static (run.validate_args: on a GPU in one process, a copy): a static KV cache, its decode step a
+    # CUDA graph; full attention only (StaticKV's kind). The default: the dynamic loop (docs/performance.md: why)
+    if args.hf_decode != "dynamic":
+        sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())
+        if sliding or not (low and on_gpu):  # (an async producer on the CPU, say)
+            why = "this model has sliding-window layers" if sliding else "this engine is not on a GPU in one process"
+            raise UserError(f"--hf-decode {args.hf_decode} is the static loop on a GPU's copy: {why}; drop the flag")
+        return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=args.hf_decode == "static")
     return engines.HFEngine(model, tokenizer, **hf)
+
+
+def on_one_gpu(model) -> bool:
+    """The model is on a GPU, in one process (not under torchrun)."""
+    return torch.cuda.is_available() and next(model.parameters()).device.type == "cuda" and not common.world().enabled
 
 
 def engine_copy_dtype(args, on_gpu: bool) -> torch.dtype | None:

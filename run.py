@@ -153,14 +153,13 @@ class Args:
         "auto",
         "the hf engine's weights for generation: bf16 (a bf16 copy refreshed at every weight sync, the trainer's "
         "fp32 weights untouched; its mismatch is logged: docs/mismatch.md), trainer (the trainer's own); auto: bf16 "
-        "on a GPU in one process (with a static KV cache and CUDA graphs; under --dtype fp16 the copy is fp16), the "
-        "trainer's elsewhere",
+        "on a GPU in one process (under --dtype fp16 the copy is fp16), the trainer's elsewhere",
     )
-    eager_decode: bool = arg(
-        False,
-        "the hf engine's static loop on a GPU (one process) without CUDA graphs: its decode step runs eagerly, the "
-        "same tokens, slower; for a GPU where capturing the graphs fails (the run stops with the cause and names this "
-        "flag)",
+    hf_decode: Literal["dynamic", "static", "static-eager"] = arg(
+        "dynamic",
+        "the hf engine's decode loop: dynamic (transformers' growing KV cache; the loop with GPU measurements: "
+        "docs/performance.md), static (on a GPU in one process, on the engine's copy: a static KV cache, its decode "
+        "step as CUDA graphs; not yet measured ahead on a GPU), static-eager (the same without graphs)",
     )
     gpu_memory_utilization: float = arg(
         0.35,
@@ -369,6 +368,18 @@ def _check_cross(args) -> str | None:
         return "--engine-dtype bf16 is the hf engine's: vLLM's weights take --dtype (bf16 on a GPU already)"
     if args.engine_dtype == "bf16" and under_torchrun():
         return "--engine-dtype bf16 runs in one process only (a bf16 copy of FSDP2-sharded weights is not wired up)"
+    if args.hf_decode != "dynamic":  # models.make_engine: StaticHFEngine where it runs, never a silent fallback
+        vllm = args.engine == "vllm" or (
+            args.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")
+        )
+        where = "vLLM is this run's engine" if vllm else "there is no GPU" if not torch.cuda.is_available() else ""
+        where = where or ("it runs under torchrun" if under_torchrun() else "")
+        where = where or ("--engine-dtype trainer leaves no copy" if args.engine_dtype == "trainer" else "")
+        if where:
+            return (
+                f"--hf-decode {args.hf_decode} is the hf engine's static loop on a GPU in one process, on its "
+                f"low-precision copy; here {where}: drop the flag (the dynamic loop) or run where it applies"
+            )
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:  # vLLM's CPU build runs too (docs/vllm.md)
         return "--engine vllm needs vLLM: see the README's GPU install line (or 'vLLM on CPU'), or use --engine hf"
     if args.engine == "vllm" or (args.engine == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
@@ -601,7 +612,7 @@ FLAG_GROUPS = {
     ),
     "LoRA (docs/lora.md)": "lora_rank lora_alpha lora_targets",
     "the engine and precision (docs/mismatch.md, docs/precision.md)": (
-        "engine engine_dtype eager_decode gpu_memory_utilization vllm_sleep_level dtype rollout_is rollout_is_cap "
+        "engine engine_dtype hf_decode gpu_memory_utilization vllm_sleep_level dtype rollout_is rollout_is_cap "
         "max_engine_logp_diff"
     ),
     "asynchronous rollouts (docs/async.md)": "async_lag rollout_device rollout_threads",
@@ -655,7 +666,7 @@ def unknown_flags_message(rest: Sequence[str], parser) -> str:
 MAY_CHANGE_ON_RESUME = (
     "total_steps eval_every eval_only save_every keep_last log_rollouts_every track wandb_project output_dir run_name "
     "resume config micro_batch_tokens logp_chunk_tokens gen_batch_size gradient_checkpointing compile "
-    "gpu_memory_utilization vllm_sleep_level eager_decode rollout_threads"
+    "gpu_memory_utilization vllm_sleep_level hf_decode rollout_threads"
 ).split()
 
 
@@ -1105,7 +1116,15 @@ def init_world() -> common.World:
     w = common.World.install(DistributedWorld(td.get_rank(), td.get_world_size(), local_rank, device))
     if not w.is_main:
         quiet_rank()
+    if w.world_size == 1:
+        common.CONSOLE.info(ONE_PROCESS_GROUP)
     return w
+
+
+ONE_PROCESS_GROUP = (
+    "WORLD_SIZE=1 with RANK, MASTER_ADDR and MASTER_PORT set (torchrun, or a launcher that exports them): this one "
+    "process runs the distributed path (a process group of one, FSDP2, the synced engine); unset them for a plain run"
+)
 
 
 def quiet_rank() -> None:

@@ -2,26 +2,42 @@
 
     python bench/gpu_check.py --export-assets        # here, once: the embedded model's tokenizer (3.4 MiB) into the
                                                      # git-ignored bench/gpu_assets/, which travels with `carry`
-    python bench/gpu_check.py                        # on the GPU machine: about 4.5 minutes on an H200 (planned)
+    python bench/gpu_check.py                        # on the GPU machine: about 8 minutes on an H100 (planned)
     python bench/gpu_check.py --device cpu           # the CPU dry run (tiny shapes; tests/test_gpu_check.py runs it)
 
-On the lent device machine (no network, torch 2.11 and transformers 5.17 installed there, nothing else needed):
+On the lent device machine (no network, torch and transformers installed there, nothing else needed):
 
-    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_check.py", carry=["bench/gpu_assets"], timeout_s=420)
+    run(command="PYTHONUNBUFFERED=1 python3 bench/gpu_check.py", carry=["bench/gpu_assets"], timeout_s=540)
 
+In this order (what decides most first; steps that would start past --budget-s, 420 s, are skipped, so the whole
+ends within about 8 minutes on an H100: planned, not measured):
+The engine, at the 0.5B shape with random weights (bench/gpu_engines.py, one model for these steps):
+  engines-0.5b         every engine on the same prompts, shapes and seeds, 16 prompts x 8 x 256 new tokens in
+                       chunks of 128: HFEngine (dynamic), StaticHFEngine with graphs (each timed call after a
+                       sleep(): captured again, as in a run; static_replay without) and without, transformers'
+                       generate(cache_implementation="static") (one shape compiled) and generate_batch; decision:
+                       the faster of hf and static
+  engines-0.5b-chunks  hf and static on a recipe's two chunk shapes (chunks of 96: 96 + 32)
+  static-sleep-memory  the bytes left after sleep() (the garbage collector off) and the peak of two chunk shapes
+                       against one: one cache at a time
+  sdpa-backend         the attention kernels the static loop's decode runs (the profiler's op names)
+  graphs-vs-eager      the static engine's graphs draw the tokens its eager loop draws
 Correctness, at a small shape (a Qwen2 of hidden 128, 4 layers, the embedded tokenizer: a checkpoint is about 80
 MB), in this process unless what is checked is a launcher:
-  grpo, gapo, mugrpo, codapo   2 steps each with the HF engine (StaticHFEngine: its static KV cache and CUDA graphs
-                               on a bf16 copy), evaluation before and after, a checkpoint every step, checkpointing,
-                               bf16 autocast over fp32 masters; every metric finite
-  resume, eval-only            grpo resumed from its step-1 checkpoint (step 2's rewards as uninterrupted), then
-                               --eval-only on its final/
-  precision                    an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16 weights (bench/bf16_update.py)
-  torchrun, torchrun-resume    torchrun --nproc-per-node 1 in a subprocess: the distributed path on one GPU (an NCCL
-                               process group, FSDP2, the FSDP HF engine; its checkpoint's per-rank generator states
-                               say so), then resumed in one process
+  grpo                 2 steps with the HF engine (the default: the dynamic loop on a bf16 copy), evaluation
+                       before and after, a checkpoint every step, checkpointing, bf16 autocast over fp32 masters
+  resume               grpo resumed from its step-1 checkpoint (step 2's rewards as uninterrupted)
+  torchrun, torchrun-resume  torchrun --nproc-per-node 1 in a subprocess: the distributed path on one GPU (an NCCL
+                       process group, FSDP2, the FSDP HF engine; its checkpoint's per-rank generator states say so),
+                       then resumed in one process
+  async-producer       --async-lag 1 with the producer on cuda:0, CUDA_VISIBLE_DEVICES the GPU's UUID (the
+                       producer's device mapped through the trainer's list)
+  fp16                 --dtype fp16 one step, on a real model where the device has one ($GPU_CHECK_MODEL, the
+                       Hugging Face cache), else the small one
+  gapo, mugrpo, codapo 2 steps each (gapo with --hf-decode static: the static engine in a run); every metric finite
+  eval-only, precision --eval-only on grpo's final/; an lr-1e-6 AdamW update kept by fp32 masters, lost by bf16
+                       weights (bench/bf16_update.py)
 Speed and memory at the published 0.5B and 1.5B shapes (random weights; bench/gpu_step.py's functions):
-  gen-0.5b        StaticHFEngine, HFEngine and transformers' generate, bf16 weights, 16 prompts x 8 x 256 tokens
   step-0.5b       the training step without checkpointing: tokens/s, MFU, peak memory against bench/memory_plan.py
   packed-0.5b     rows in groups of 8 sharing a 512-token prompt (256 completion tokens, a shape the cost rule
                   packs): packed against padded
@@ -40,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import glob
 import io
 import json
 import math
@@ -81,8 +98,11 @@ RUN_DEFAULTS = dict(logp_chunk_tokens=256, ragged=True)
 # packed-0.5b: groups of 8 rows whose prompt is two thirds of a row, a shape micro_batches' cost rule packs (every
 # group in packs of 8; a 128-token prompt before 512 completion tokens packs nothing at 0.5B: docs/performance.md)
 PACKED_SHAPE = dict(group_size=8, prompt_len=512, completion_len=256)
+# the engine steps' work on a GPU (bench/gpu_engines.py): 16 prompts x 8 rows x 256 new tokens after 128-token
+# prompts, in chunks of 128 rows (one shape: transformers' static generate compiles one), then of 96 (96 + 32)
+ENGINE_SHAPE = dict(prompts=16, n=8, tokens=256, prompt_len=128, batch=128)
 SPEED_KEYS = (
-    "config", "gen_tokens_per_s_static", "gen_tokens_per_s_hf", "gen_tokens_per_s_generate", "train_tokens_per_s",
+    "config", "train_tokens_per_s",
     "padded_train_tokens_per_s", "packed_groups", "achieved_tflops", "mfu", "train_peak_gb", "train_peak_gb_planned",
 )  # fmt: skip
 
@@ -256,7 +276,7 @@ class Check:
         _free_memory()
         return self._record(result)
 
-    def subprocess(self, name: str, cmd: list[str], timeout: float, figures=None, need_gb: float = 1.0) -> dict:
+    def subprocess(self, name: str, cmd: list[str], timeout: float, figures=None, need_gb: float = 1.0, env=None) -> dict:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         self._begin(name)
         skipped = self._skip(name, need_gb)
@@ -267,7 +287,9 @@ class Check:
         self.log.flush()
         start = self.log.tell()
         try:  # the subprocess writes into logs.txt itself, as it goes
-            proc = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env or self.env, stdout=self.log, stderr=subprocess.STDOUT, timeout=timeout
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -331,6 +353,84 @@ def _free_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def device_uuid() -> tuple[str | None, str]:
+    """CUDA_VISIBLE_DEVICES naming GPU 0 by its UUID (what a scheduler may export), for the async producer's step
+    (async_rollouts.producer_visible_devices maps it): NVML's (GPU-...), else the device properties'; (None, why)
+    where neither reads."""
+    import torch
+
+    try:
+        uuids = torch.cuda._raw_device_uuid_nvml()  # torch's own NVML reading (private; the fallback below)
+        if uuids:
+            return uuids[0], "NVML"
+    except Exception:  # noqa: BLE001 - no NVML here: the properties
+        pass
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    if uuid is not None:
+        text = str(uuid)
+        return (text if text.startswith("GPU-") else f"GPU-{text}"), "torch.cuda.get_device_properties(0).uuid"
+    return None, "no UUID readable: the producer given the bare index"
+
+
+def find_real_model() -> str | None:
+    """A real model the device has: $GPU_CHECK_MODEL, else the smallest Qwen2 / Llama folder of the Hugging Face cache
+    (under 4 GB of weights); None where there is none (no network: nothing is downloaded)."""
+    if os.environ.get("GPU_CHECK_MODEL"):
+        return os.environ["GPU_CHECK_MODEL"]
+    hub = os.path.join(os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    found = []
+    for config in glob.glob(os.path.join(hub, "models--*", "snapshots", "*", "config.json")):
+        folder = os.path.dirname(config)
+        try:
+            with open(config) as f:
+                kind = json.load(f).get("model_type")
+        except (OSError, ValueError):
+            continue
+        size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+        if kind in ("qwen2", "llama") and 0 < size < 4e9:
+            found.append((size, folder))
+    return min(found)[1] if found else None
+
+
+def engine_steps(check: Check, device_name: str) -> None:
+    """The steps that decide the engine (bench/gpu_engines.py), on the 0.5B shape with random weights (the tiny
+    config in the dry run), one model for all: the race of every engine on one chunk shape, then hf against static
+    on a recipe's two chunk shapes; the static engine's memory at sleep(), its SDPA backend, its graphs against its
+    eager loop."""
+    import gpu_engines
+    import gpu_step
+    import torch
+
+    cpu = device_name == "cpu"
+    device = torch.device(device_name)
+    shape = dict(prompts=3, n=2, tokens=8, prompt_len=8, batch=6) if cpu else ENGINE_SHAPE
+    held = {}
+
+    def work():
+        if "model" not in held:
+            held["model"], held["tokenizer"] = gpu_step.build_model(
+                "tiny" if cpu else "qwen2.5-0.5b", "", device, torch.float32, False
+            )
+            gen, vocab = torch.Generator().manual_seed(1), held["model"].config.vocab_size
+            held["prompts"] = [
+                torch.randint(0, vocab - 2, (shape["prompt_len"],), generator=gen).tolist() for _ in range(shape["prompts"])
+            ]
+        return held["model"], held["tokenizer"], held["prompts"]
+
+    n, tokens, batch = shape["n"], shape["tokens"], shape["batch"]
+    two_shapes = batch * 3 // 4  # full chunks, then the rest: a recipe's last, smaller chunk
+    check.step("engines-0.5b", lambda: gpu_engines.race(*work(), n, tokens, batch, list(gpu_engines.TRAITS)))
+    check.step(
+        "engines-0.5b-chunks",
+        lambda: gpu_engines.race(*work(), n, tokens, two_shapes, ["hf", "static", "static-eager"]),
+    )
+    check.step("static-sleep-memory", lambda: gpu_engines.sleep_memory(*work(), n, tokens // 4, two_shapes))
+    check.step("sdpa-backend", lambda: gpu_engines.sdpa_backend(*work(), n, 4))
+    check.step("graphs-vs-eager", lambda: gpu_engines.graphs_match_eager(*work(), n, tokens // 4, batch))
+    held.clear()
+    _free_memory()
+
+
 def run_script(method: str, argv: list[str]) -> None:
     """`python <method>.py argv` in this process (imports and the CUDA context are paid once for all)."""
     import importlib
@@ -352,7 +452,7 @@ def main() -> int:
     )
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_check"))
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--budget-s", type=float, default=330.0, help="steps that would start after this are skipped")
+    p.add_argument("--budget-s", type=float, default=420.0, help="steps that would start after this are skipped")
     a = p.parse_args()
     if a.export_assets:
         export_assets(ASSETS)
@@ -394,6 +494,7 @@ def main() -> int:
 
     model_dir = os.path.join(work, "model")
     check.step("model", lambda: build_model(model_dir, tokenizer_dir, TINY if cpu else SMALL, a.device))
+    engine_steps(check, a.device)  # first: what decides the engine a GPU run builds (bench/gpu_engines.py)
     runs = os.path.join(work, "runs")
     steps = 2
     base = [
@@ -403,15 +504,23 @@ def main() -> int:
         "--eval-samples", "2" if cpu else "4", "--eval-k", "2" if cpu else "4", "--learning-rate", "1e-5",
         "--save-every", "1", "--gradient-checkpointing", "--output-dir", runs,
     ]  # fmt: skip
-    per_method = {"mugrpo": ["--prompts-per-step", "4" if cpu else "8", "--updates-per-batch", "2"]}
-    for m in METHODS:
+    # gapo runs the static engine (--hf-decode static: its graphs captured again after every sleep()); the others
+    # the default, the dynamic loop
+    per_method = {
+        "mugrpo": ["--prompts-per-step", "4" if cpu else "8", "--updates-per-batch", "2"],
+        "gapo": ["--hf-decode", "static"] if not cpu else [],
+    }
+
+    def method_run(m):
         run_dir = os.path.join(runs, m)
 
-        def one(m=m, run_dir=run_dir):
+        def one():
             run_script(m, [*base, "--total-steps", str(steps), *per_method.get(m, []), "--run-name", m])
             return run_figures(run_dir)
 
         check.step(m, one, cleanup=[run_dir] if m != "grpo" else [])  # grpo's checkpoints serve resume and eval-only
+
+    method_run("grpo")
 
     grpo_dir, resumed = os.path.join(runs, "grpo"), os.path.join(runs, "grpo_resumed")
 
@@ -437,6 +546,68 @@ def main() -> int:
         return figs
 
     check.step("resume", resume, cleanup=[resumed])
+
+    # torchrun with one process: the distributed path (NCCL on a GPU, gloo on CPU; FSDP2), then resumed in one process
+    torchrun = [a.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    tr_dir = os.path.join(runs, "torchrun")
+    check.subprocess(
+        "torchrun",
+        [*torchrun, "grpo.py", *base, "--total-steps", str(steps), "--run-name", "torchrun"],
+        240,
+        lambda: distributed_figures(tr_dir),
+    )
+    check.step(
+        "torchrun-resume",
+        lambda: run_script("grpo", [*base, "--total-steps", str(steps + 1), "--resume", tr_dir]) or run_figures(tr_dir),
+        cleanup=[tr_dir],
+    )
+    async_dir = os.path.join(runs, "async")
+    visible, how = device_uuid() if not cpu else (None, "the dry run: the producer on the CPU")
+    print(f"async producer: CUDA_VISIBLE_DEVICES={visible} ({how})", flush=True)
+    check.subprocess(
+        "async-producer",
+        [
+            a.python,
+            "grpo.py",
+            *base,
+            "--total-steps",
+            str(steps),
+            "--save-every",
+            "0",
+            "--async-lag",
+            "1",
+            "--rollout-device",
+            "cpu" if cpu else "cuda:0",
+            "--run-name",
+            "async",
+        ],  # fmt: skip
+        240,
+        lambda: {**run_figures(async_dir), "visible_devices": visible or "", "visible_from": how},
+        env={**env, "CUDA_VISIBLE_DEVICES": visible} if visible else None,
+    )
+    shutil.rmtree(async_dir, ignore_errors=True)
+    real = find_real_model() if not cpu else None
+    fp16_dir = os.path.join(runs, "fp16")
+    fp16_base = [*base, "--model", real] if real else base
+
+    def fp16():
+        """--dtype fp16 (fp16 autocast, dynamic loss scaling, an fp16 engine copy) one step, on a real model where the
+        device has one; the dry run: the CPU's refusal."""
+        argv = [*fp16_base, "--total-steps", "1", "--save-every", "0", "--dtype", "fp16", "--run-name", "fp16"]
+        if cpu:
+            from verifiers import UserError
+
+            try:
+                run_script("grpo", argv)
+            except UserError as exc:
+                return {"refused_on_cpu": "needs a CUDA GPU" in str(exc), "finite": "needs a CUDA GPU" in str(exc)}
+            return {"refused_on_cpu": False, "finite": False}
+        run_script("grpo", argv)
+        return {**run_figures(fp16_dir), "model": real or "the small random model (no real model on this device)"}
+
+    check.step("fp16", fp16, cleanup=[fp16_dir])
+    for m in METHODS[1:]:
+        method_run(m)
     eval_dir = os.path.join(runs, "eval_only")
     check.step(
         "eval-only",
@@ -480,21 +651,7 @@ def main() -> int:
         return {"lr_1e-6": [r.split("|")[2:4] for r in rows]}
 
     check.step("precision", precision)
-
-    # torchrun with one process: the distributed path (NCCL on a GPU, gloo on CPU; FSDP2), then resumed in one process
-    torchrun = [a.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    tr_dir = os.path.join(runs, "torchrun")
-    check.subprocess(
-        "torchrun",
-        [*torchrun, "grpo.py", *base, "--total-steps", str(steps), "--run-name", "torchrun"],
-        240,
-        lambda: distributed_figures(tr_dir),
-    )
-    check.step(
-        "torchrun-resume",
-        lambda: run_script("grpo", [*base, "--total-steps", str(steps + 1), "--resume", tr_dir]) or run_figures(tr_dir),
-        cleanup=[runs],
-    )
+    shutil.rmtree(runs, ignore_errors=True)
     shutil.rmtree(model_dir, ignore_errors=True)
 
     # speed and memory at the published shapes (random weights), through bench/gpu_step.py's functions
@@ -522,7 +679,6 @@ def main() -> int:
             return check.step(step, None, skip=line)
         return check.step(step, lambda: {"memory": line, **gpu_step.run_config(name, args, device, peak)}, need_gb=2)
 
-    speed("gen-0.5b", small, engines=["static", "hf", "generate"], train_rows=0)
     speed("step-0.5b", small)
     speed("step-0.5b-run-defaults", small, **RUN_DEFAULTS)
     packed_shape = PACKED_SHAPE if not cpu else dict(group_size=8)  # the dry run: its tiny rows pack as they are

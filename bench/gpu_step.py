@@ -78,18 +78,21 @@ SUMMARY_KEYS = (
     "train_peak_gb_planned",
 )
 
-# bf16 dense peak TFLOP/s (vendor data sheets, no sparsity), by a part of torch.cuda.get_device_name(), the most
-# specific first: the PCIe and NVL forms of the H100 and H200 run at lower clocks and power than the SXM form
-# ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+# bf16 dense peak TFLOP/s (vendor data sheets, no sparsity), by the card's exact torch.cuda.get_device_name(): a
+# part would match another card (an "NVIDIA L40" holds "L4"); a card not listed has no MFU (None), never a guess.
+# The PCIe and NVL forms of the H100 and H200 run at lower clocks and power than the SXM form.
 PEAK_TFLOPS = {
-    "H100 PCIe": 756.5, "H100 NVL": 835.5, "H200 NVL": 835.5, "H200": 989.4, "H100": 989.4,
-    "A100": 312.0, "L40S": 362.05, "L4": 121.0, "A10G": 70.0,
+    "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100": 989.4, "NVIDIA H100 PCIe": 756.5, "NVIDIA H100 NVL": 835.5,
+    "NVIDIA H200": 989.4, "NVIDIA H200 NVL": 835.5,
+    "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0, "NVIDIA L40S": 362.05, "NVIDIA L40": 181.05, "NVIDIA L4": 121.0,
+    "NVIDIA A10G": 70.0,
 }  # fmt: skip
 
 
 def peak_tflops(device_name: str) -> float | None:
-    """The bf16 dense peak of the card named `device_name` (torch.cuda.get_device_name()); None: not known."""
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    """The bf16 dense peak of the card named exactly `device_name` (torch.cuda.get_device_name()); None: not known."""
+    return PEAK_TFLOPS.get(device_name.strip())
 
 
 class RandomIdTokenizer:
@@ -147,7 +150,8 @@ def sync(device: torch.device) -> None:
 def generation_figures(model, tokenizer, prompts, n: int, tokens: int, engines_: list[str], batch: int) -> dict:
     """Tokens/s of each engine on the same work (every row runs to `tokens`: no EOS ends a row early): `static`
     (StaticHFEngine: static KV cache, CUDA graphs), `hf` (HFEngine's dynamic cache), `generate` (transformers'
-    generate, ReferenceHFEngine), all from a bf16 copy of the fp32 weights on CUDA (what make_engine builds there),
+    generate, ReferenceHFEngine), all from a bf16 copy of the fp32 weights on CUDA (what make_engine makes there;
+    bench/gpu_engines.py races more engines, with a run's costs),
     the trainer's fp32 weights elsewhere. A warm-up call of each first (kernels, graphs, allocator); then two
     alternating rounds, the median reported."""
     device = next(model.parameters()).device

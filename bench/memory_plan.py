@@ -3,6 +3,7 @@
     python bench/memory_plan.py                          # 0.5B, 1.5B, 7B on 1 and 8 GPUs of 80 GB: the table
     python bench/memory_plan.py --config path/to/config.json --gpus 8 --gradient-checkpointing --micro-batch-tokens 8192
     python bench/memory_plan.py --recipe recipes/grpo_simplerl_qwen2.5-1.5b.yaml   # the GPUs its default needs
+    python bench/memory_plan.py --engine hf --gpus 1 --beta 1e-4 --teacher qwen2.5-7b   # with a reference, a teacher
 
 Per GPU, GiB (2^30 bytes). P parameters, W processes (FSDP2 shards the trainer's state over them), T tokens of one
 micro-batch, L layers, H hidden, I intermediate, d head dim, Hq / Hkv heads, V vocabulary:
@@ -16,10 +17,13 @@ micro-batch, L layers, H hidden, I intermediate, d head dim, Hq / Hkv heads, V v
 - vLLM, awake: --gpu-memory-utilization of the GPU (its bf16 weights 2P, CUDA graphs, activations, the KV cache in
   what is left: 2 * L * Hkv * d * 2 bytes a token); asleep: level 2 frees it all, level 1 too (the weights to pinned
   host memory);
+- every other model the run holds, in every phase: --beta's frozen reference in the compute dtype (2P/W; a LoRA
+  run's reference is its own base: nothing more), OPD's teacher in the compute dtype (2P_T/W), the HF engine's bf16
+  copy of the weights (2P) where a run makes one (--engine-dtype auto on one GPU in one process, or bf16);
 - the HF engine: --gen-batch-size rows (0, the default: the rows a default run picks, models.gen_batch_from_memory
-  of the GPU's memory less the trainer's state and the copy), each its KV cache over the context (bf16) and the
-  sampler's temporaries over the vocabulary (models.engine_row_bytes), plus a bf16 copy of the weights (2P) where a
-  default run makes one: --engine-dtype auto on one GPU (one process), or bf16;
+  of the GPU's memory less all of the above), each its KV cache over the context (bf16) and the sampler's
+  temporaries over the vocabulary (models.engine_row_bytes); the context is the longest of training's and every eval
+  set's (its protocol's budget): one cache at a time (the engine's sleep() gives it back before another);
 - host, per node: every rank loads the fp32 model on the host before moving it to its GPU (4P each, while loading),
   vLLM level-1 sleep keeps 2P pinned per rank, rank 0 assembles the fp32 state dict at each checkpoint (4P).
 Measured on an H200 (docs/performance.md): 0.5B, no checkpointing, 16,000-token micro-batches, --logp-chunk-tokens
@@ -99,12 +103,22 @@ def plan(
     max_model_len: int = 4096,
     gen_batch_size: int = 0,
     engine_dtype: str = "auto",
+    reference: bool = False,
+    teacher: dict | None = None,
 ) -> dict:
-    """{phase: {item: bytes}} per GPU (and "host" per node) for the flags."""
+    """{phase: {item: bytes}} per GPU (and "host" per node) for the flags. `reference`: --beta > 0 on a full
+    fine-tuning run (its frozen reference); `teacher`: OPD's teacher's config (its shape's fields)."""
     P = param_count(cfg)
     H, FF, L, hq, hkv, d, V = dims(cfg)
     W = gpus
     state = {"fp32 weights (4P/W)": 4 * P / W, "AdamW moments (8P/W)": 8 * P / W}
+    if reference:  # models.reference_model: the initial model, frozen, in the compute dtype (FSDP2-sharded)
+        state["--beta reference, bf16 (2P/W)"] = 2 * P / W
+    if teacher is not None:  # opd.load_teacher: models.load_frozen, the same
+        state["OPD teacher, bf16 (2P_T/W)"] = 2 * param_count(teacher) / W
+    copy = 2 * P if engine != "vllm" and (engine_dtype == "bf16" or (engine_dtype == "auto" and W == 1)) else 0
+    if copy:  # make_engine's copy of the weights for generation: held from the start to the end of the run
+        state["HF engine bf16 copy (2P)"] = copy
     per_layer = activation_bytes_per_token_layer(cfg, False)
     if gradient_checkpointing:
         acts = micro_batch_tokens * (L * activation_bytes_per_token_layer(cfg, True) + per_layer)
@@ -131,14 +145,10 @@ def plan(
         out["update"]["vLLM asleep"] = 0
         out["kv_tokens"] = max(kv, 0) / kv_bytes_per_token(cfg)
     else:
-        copy = 2 * P if engine_dtype == "bf16" or (engine_dtype == "auto" and W == 1) else 0  # make_engine's
         row = models.engine_row_bytes(cfg, max_model_len, 2)
-        rows = gen_batch_size or models.gen_batch_from_memory(gpu_gb * 1e9 - sum(state.values()) - copy, row)
+        rows = gen_batch_size or models.gen_batch_from_memory(gpu_gb * 1e9 - sum(state.values()), row)
         kv = rows * models.engine_row_bytes({**cfg, "vocab_size": 0}, max_model_len, 2)  # the row's KV part
-        hf = {**state, "HF engine KV cache": kv, "HF engine sampler temporaries": rows * row - kv}
-        if copy:
-            hf["HF engine bf16 copy (2P)"] = copy
-        out["rollout (HF engine)"] = hf
+        out["rollout (HF engine)"] = {**state, "HF engine KV cache": kv, "HF engine sampler temporaries": rows * row - kv}
         out["gen_batch_size"] = rows
     host = {"load: fp32 model per rank (4P x ranks, transient)": 4 * P * W, "checkpoint: rank 0's fp32 state dict": 4 * P}
     if engine == "vllm" and vllm_sleep_level == 1:
@@ -158,24 +168,35 @@ PROMPT_TOKENS = 512  # a recipe's prompt in the planned context (its longest may
 
 
 def recipe_flags(path: str) -> dict:
-    """The recipe's model shape and the flags the plan reads, each at the recipe's value or the scripts' default on a
-    GPU (--micro-batch-tokens 0: 16384, run.resolve_micro_batch_tokens); the context is --max-new-tokens plus
-    PROMPT_TOKENS. KeyError for a model of no known shape."""
-    import yaml
+    """The recipe's model shape and the flags the plan reads, as its script parses them (run.load_config; a flag it
+    leaves out at the script's default; --micro-batch-tokens 0: 16384 on a GPU, run.resolve_micro_batch_tokens):
+    the context is the longest budget of training (--max-new-tokens) and of its eval sets (each set's protocol,
+    evaluation.protocols) plus PROMPT_TOKENS; --beta > 0 holds a reference, opd.py a teacher. KeyError for a model
+    of no known shape."""
+    import importlib
 
-    with open(path) as f:
-        recipe = yaml.safe_load(f)
-    name = recipe["model"].lower()
-    size = next(s for s in ("0.5b", "1.5b", "7b") if f"-{s}" in name)
+    import evaluation
+    import run
+
+    script = importlib.import_module(os.path.basename(path).split("_")[0])
+    args = script.Args(**run.load_config(path, script.Args))
+
+    def shape(model: str) -> str:
+        return f"qwen2.5-{next(s for s in ('0.5b', '1.5b', '7b') if f'-{s}' in model.lower())}"
+
+    budgets = [args.max_new_tokens, *(p.max_new_tokens for p in evaluation.protocols(args).values())]
+    teacher = getattr(args, "teacher", "")
     return dict(
-        shape=f"qwen2.5-{size}",
-        lora=recipe.get("lora_rank", 0) > 0,
-        micro_batch_tokens=recipe.get("micro_batch_tokens", 0) or 16384,
-        logp_chunk_tokens=recipe.get("logp_chunk_tokens", 256),
-        gradient_checkpointing=bool(recipe.get("gradient_checkpointing", False)),
-        gen_batch_size=recipe.get("gen_batch_size", 0),
-        engine_dtype=recipe.get("engine_dtype", "auto"),
-        max_model_len=recipe.get("max_new_tokens", 1024) + PROMPT_TOKENS,
+        shape=shape(args.model),
+        lora=args.lora_rank > 0,
+        micro_batch_tokens=args.micro_batch_tokens or 16384,
+        logp_chunk_tokens=args.logp_chunk_tokens,
+        gradient_checkpointing=args.gradient_checkpointing,
+        gen_batch_size=args.gen_batch_size,
+        engine_dtype=args.engine_dtype,
+        max_model_len=max(budgets) + PROMPT_TOKENS,
+        reference=args.beta > 0,
+        teacher=SHAPES[shape(teacher)] if teacher else None,
     )
 
 
@@ -245,6 +266,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gen-batch-size", type=int, default=0, help="0: what a default run picks from the memory")
     ap.add_argument("--engine-dtype", choices=["auto", "bf16", "trainer"], default="auto")
+    ap.add_argument("--beta", type=float, default=0.0, help="> 0: the run holds --beta's frozen reference")
+    ap.add_argument("--teacher", default="", choices=["", *SHAPES], help="opd.py: its teacher's shape")
     ap.add_argument("--json", action="store_true", help="print every item of every phase as JSON")
     ap.add_argument("--recipe", default="", help="a recipe: the GPUs its default needs without vLLM (its header line)")
     a = ap.parse_args()
@@ -267,6 +290,8 @@ def main() -> None:
         max_model_len=a.max_model_len,
         gen_batch_size=a.gen_batch_size,
         engine_dtype=a.engine_dtype,
+        reference=a.beta > 0,
+        teacher=SHAPES[a.teacher] if a.teacher else None,
     )
     if a.json:
         out = {f"{n}/{g}": plan(c, gpus=g, **flags) for n, c in configs.items() for g in a.gpus}

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import models
+import run
 from tests import tiny
 
 pytestmark = pytest.mark.slow  # processes under torchrun: left out of the quick tier, pytest -m "not slow"
@@ -482,6 +483,8 @@ def test_torchrun_with_one_process_runs_the_distributed_path(toy):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         line = next(x for x in proc.stdout.splitlines() if x.startswith("WORLD "))
         found[nproc] = json.loads(line[len("WORLD ") :])
+        # the one line that says so (issue 61: a launcher's four variables for one process took this path silently)
+        assert (run.ONE_PROCESS_GROUP in proc.stdout + proc.stderr) == (nproc != 1), proc.stderr[-2000:]
     assert found["torchrun-1"] == {
         "process_group": True, "backend": "gloo", "world_size": 1, "enabled": True, "fsdp2": True, "engine": "HFEngine",
     }  # fmt: skip

@@ -22,11 +22,20 @@ import gpu_step  # noqa: E402
         ("NVIDIA H200", 989.4),
         ("NVIDIA H200 NVL", 835.5),
         ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA L40", 181.05),  # 08e5dbc matched by a part: the L4's 121, the MFU 1.5x high
+        ("NVIDIA L40S", 362.05),
+        ("NVIDIA L4", 121.0),
         ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA H100 80GB HBM3 (a name not listed)", None),
     ],
 )
 def test_the_mfu_peak_is_that_of_the_card_found(name, peak):
     assert gpu_step.peak_tflops(name) == peak
+
+
+def test_every_card_of_the_table_gets_its_own_peak():
+    for name, peak in gpu_step.PEAK_TFLOPS.items():
+        assert gpu_step.peak_tflops(name) == peak, name
 
 
 def test_a_steps_log_is_written_as_it_comes(tmp_path):

@@ -150,3 +150,37 @@ def test_the_gpu_check_fits_its_speed_steps_to_the_device():
     assert smaller.micro_batch_tokens == 8192 and a.micro_batch_tokens == 16384 and "--micro-batch-tokens 8192" in line
     skipped = "step-1.5b: planned 92.6 GB, over 0.9 of the device's 48.0 GB at any micro-batch: skipped"
     assert gpu_check.fit_to_memory("step-1.5b", cfg, a, 48_000_000_000) == (None, skipped)
+
+
+def test_the_plan_counts_every_model_a_run_holds_in_every_phase():
+    """Issue 61: --beta's frozen reference (2P/W in the compute dtype), OPD's teacher (2P_T/W) and the HF engine's
+    bf16 copy (2P, one process) are held from the start to the end of a run: in the update as in the rollout, and
+    the rows the HF engine generates together come from what they leave (1.0 GB at 0.5B, 3.1 GB at 1.5B)."""
+    cfg, teacher = memory_plan.SHAPES["qwen2.5-1.5b"], memory_plan.SHAPES["qwen2.5-7b"]
+    P, PT = memory_plan.param_count(cfg), memory_plan.param_count(teacher)
+    bare = memory_plan.plan(cfg, gpus=1, engine="hf", max_model_len=8704)
+    held = memory_plan.plan(cfg, gpus=1, engine="hf", max_model_len=8704, reference=True, teacher=teacher)
+    for phase in ("update", "rollout (HF engine)"):
+        assert held[phase]["--beta reference, bf16 (2P/W)"] == 2 * P
+        assert held[phase]["OPD teacher, bf16 (2P_T/W)"] == 2 * PT
+        assert held[phase]["HF engine bf16 copy (2P)"] == 2 * P
+    assert round(2 * memory_plan.param_count(memory_plan.SHAPES["qwen2.5-0.5b"]) / 1e9, 1) == 1.0
+    assert round(2 * P / 1e9, 1) == 3.1
+    left = 80e9 - 12 * P - 2 * P - 2 * P - 2 * PT
+    assert held["gen_batch_size"] == models.gen_batch_from_memory(left, models.engine_row_bytes(cfg, 8704, 2))
+    assert held["gen_batch_size"] < bare["gen_batch_size"]
+    eight = memory_plan.plan(cfg, gpus=8, engine="hf", reference=True, teacher=teacher)
+    assert eight["update"]["--beta reference, bf16 (2P/W)"] == 2 * P / 8  # FSDP2-sharded like the policy
+    assert "HF engine bf16 copy (2P)" not in eight["update"]
+    vllm = memory_plan.plan(cfg, gpus=1, reference=True)
+    assert "HF engine bf16 copy (2P)" not in vllm["update"] and vllm["update"]["--beta reference, bf16 (2P/W)"] == 2 * P
+
+
+def test_a_recipes_plan_reads_its_reference_and_its_eval_budgets():
+    """recipe_flags parses the recipe as its script does: SimpleRL's --beta holds a reference; DAPO's AIME budget
+    (20,480 new tokens) is the context the HF engine's rows are sized for, not training's 8,192."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    simplerl = memory_plan.recipe_flags(os.path.join(root, "recipes", "grpo_simplerl_qwen2.5-1.5b.yaml"))
+    assert simplerl["reference"] and simplerl["teacher"] is None and simplerl["max_model_len"] == 8192 + 512
+    dapo = memory_plan.recipe_flags(os.path.join(root, "recipes", "grpo_dapo_qwen2.5-math-7b.yaml"))
+    assert dapo["max_model_len"] == 20480 + memory_plan.PROMPT_TOKENS and not dapo["reference"]

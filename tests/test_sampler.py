@@ -524,7 +524,7 @@ def test_length_buckets_and_kept_graphs_draw_the_same_tokens(tiny_path, monkeypa
 
 def test_a_graph_capture_that_fails_stops_with_its_cause_and_the_flag_without_graphs():
     """_DecodeGraphs on a device where capturing fails (here: no CUDA at all) raises one RunError line naming the
-    cause and --eager-decode; nothing falls back to eager by itself."""
+    cause and --hf-decode static-eager; nothing falls back to eager by itself."""
     from verifiers import RunError
 
     graphs = engines._DecodeGraphs(lambda b, length: torch.zeros(b, 3), torch.device("cpu"))
@@ -532,5 +532,5 @@ def test_a_graph_capture_that_fails_stops_with_its_cause_and_the_flag_without_gr
     with pytest.raises(RunError) as error:
         graphs(2, 64)
     message = str(error.value)
-    assert "could not capture its decode step as a CUDA graph" in message and "--eager-decode" in message
+    assert "could not capture its decode step as a CUDA graph" in message and "--hf-decode static-eager" in message
     assert "\n" not in message and not graphs.graphs
