@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+import tools
 import verifiers
 from verifiers import RunError
 
@@ -291,6 +292,7 @@ class RolloutBatch:
         self.finish_reasons: list[str] = []
         self.version: int | None = None  # --async-lag: the weight version it was sampled under (None: this step's)
         self.lag = 0  # --async-lag: optimizer updates between that version and the one it is trained from
+        self.tool_turns: list[list[dict]] | None = None  # --tools: each row's calls, their results' token spans (tools.py)
 
     def append_row(self, prompt, completion, text: str, finish_reason: str, logps=None) -> None:
         """Add one row; `logps` (one per completion token, a list or tensor) iff the batch holds log-probs."""
@@ -387,7 +389,8 @@ def rollout_rewards(task: verifiers.Task, row_problems: Sequence[dict], rollout)
 def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None) -> torch.Tensor:
     """(len(rows), T_max) float mask of real completion tokens (every row by default)."""
     lengths = rollout.completion_lengths if rows is None else rollout.completion_lengths[list(rows)]  # (rows,)
-    return (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).float()
+    mask = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).float()
+    return mask if rollout.tool_turns is None else tools.masked(mask, rollout, rows)  # --tools: their tokens 0
 
 
 @torch.no_grad()
@@ -503,8 +506,11 @@ def token_batch_of(rollout, micro: Sequence[int], pad_id: int) -> TokenBatch:
     """The TokenBatch of a micro-batch of micro_batches: its packed groups (micro.packs) or its padded rows."""
     packs = getattr(micro, "packs", None)
     if packs:
-        return pack_batch([(rollout.prompt(g[0]), [rollout.completion(r) for r in g]) for g in packs], pad_id)
-    return pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
+        batch = pack_batch([(rollout.prompt(g[0]), [rollout.completion(r) for r in g]) for g in packs], pad_id)
+    else:
+        batch = pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
+    rows = [r for g in packs for r in g] if packs else micro  # the batch's rows in order
+    return batch if rollout.tool_turns is None else tools.without_tool_tokens(batch, rollout, rows)  # --tools
 
 
 @dataclass
@@ -718,9 +724,11 @@ class RolloutCorrection:
         if rollout.has_engine_logps:  # row-major boolean indexing visits each row's tokens in packed order
             held = torch.zeros(mask.shape[0], dtype=torch.bool)
             held[rollout.rows] = True
+            every = torch.arange(mask.shape[1]) < rollout.completion_lengths[:, None]  # (B, T) --tools: theirs too
             self.engine = torch.zeros_like(mask)
-            self.engine[mask.bool() & held.unsqueeze(1)] = rollout.engine_logps_flat().to(mask.dtype)
+            self.engine[every & held.unsqueeze(1)] = rollout.engine_logps_flat().to(mask.dtype)
         self.sums = dict.fromkeys(self.SUMS, 0.0)
+        self.tool_metrics = tools.rollout_metrics(rollout) if rollout.tool_turns is not None else {}  # --tools: tools/
         self.abs_max, self.seq_min, self.seq_max = 0.0, math.inf, -math.inf
 
     @property
@@ -782,10 +790,10 @@ class RolloutCorrection:
 
     def metrics(self) -> dict:
         if self.engine is None or not bool(world().max(float(self.sums["tokens"] > 0))):
-            return {}
+            return dict(self.tool_metrics)
         s = world().sum(self.sums)
         n, seqs = max(s["tokens"], 1.0), max(s["seqs"], 1.0)
-        out = {
+        out = self.tool_metrics | {
             "mismatch/abs_log_rho_mean": s["abs"] / n,
             "mismatch/abs_log_rho_max": world().max(self.abs_max),
             "mismatch/kl_k3": s["k3"] / n,
@@ -1110,13 +1118,17 @@ class ShardedRollout:
                 f"rank {w.rank}: the engine returned {len(local)} rows for {len(self.rows)} ({len(groups)} groups x {n})"
             )
         mine = (self.rows, local.prompt_lengths.tolist(), local.completion_lengths.tolist(), list(local.finish_reasons))
+        mine += (local.tool_turns,)  # --tools: every row's calls (the masks of all rows need their spans)
         prompt_len, completion_len = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         self.finish_reasons: list[str] = [""] * B
+        self.tool_turns = [[] for _ in range(B)] if local.tool_turns is not None else None
         groups_seen = set()
-        for rows, p_len, c_len, reasons in w.gather_objects(mine):
+        for rows, p_len, c_len, reasons, turns in w.gather_objects(mine):
             prompt_len[rows], completion_len[rows] = torch.tensor(p_len), torch.tensor(c_len)
-            for r, reason in zip(rows, reasons):
+            for r, reason, row_turns in zip(rows, reasons, turns or [None] * len(rows)):
                 self.finish_reasons[r] = reason
+                if self.tool_turns is not None:
+                    self.tool_turns[r] = row_turns
             groups_seen.update(r // n for r in rows)
         if len(groups_seen) != num_groups:
             raise RunError(f"the ranks generated {len(groups_seen)} of {num_groups} prompt groups")

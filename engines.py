@@ -228,6 +228,59 @@ def request_seed_base(seed: int) -> int:
     return (z ^ (z >> 31)) >> 32
 
 
+# ----- tool calls inside the loop (--tools, tools.py): a call's result forced into its row, token in, token out
+
+
+class ToolHFEngine(HFEngine):
+    """HFEngine whose rows may call a tool (tools.Toolbox): when a row's sampled token closes a call, the tool runs
+    and the result's token ids are forced into the row, one a step (no uniform drawn for them, log-prob 0), before it
+    samples again; the token budget counts them. The batch keeps each row's calls (RolloutBatch.tool_turns: tool,
+    call, output, their tokens' span) and the policy's own text (the results left out) as its `texts`."""
+
+    def __init__(self, model, tokenizer, toolbox, **kw):
+        super().__init__(model, tokenizer, **kw)
+        self.toolbox = toolbox
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, seed=None, desc="generate", progress=True, **kw):
+        self._rows_turns = []  # every row's calls, chunk by chunk in row order (_sample)
+        out = super().generate(prompt_ids, n, max_new_tokens, temperature, seed, desc, progress, **kw)
+        return with_tool_turns(out, self._rows_turns, self.toolbox)
+
+    def _sample(self, input_ids, attention, n: int, max_new_tokens: int, temperature: float, generators=None, top_p=1.0):
+        R = input_ids.shape[0]
+        self._forced, self._turns = [[] for _ in range(R)], [[] for _ in range(R)]  # per chunk row
+        out = super()._sample(input_ids, attention, n, max_new_tokens, temperature, generators, top_p)
+        self._rows_turns += self._turns
+        return out
+
+    def _draw(self, logits, live, t: int, n: int, decoding, generators, tokens, logps, ended, eos) -> bool:
+        """HFEngine._draw for the rows that sample; a row with a result pending takes its next token instead."""
+        forced = torch.tensor([bool(self._forced[r]) for r in live.tolist()], dtype=torch.bool, device=live.device)  # (L,)
+        broken = super()._draw(logits[~forced], live[~forced], t, n, decoding, generators, tokens, logps, ended, eos)
+        for r in live[forced].tolist():
+            tokens[r, t] = self._forced[r].pop(0)  # the tool's token: not sampled, not the policy's
+            if logps is not None:
+                logps[r, t] = 0.0
+        closing = [r for r in live[~forced].tolist() if not ended[r] and int(tokens[r, t]) in self.toolbox.closer_ids]
+        if closing and not broken:  # a row whose token may close a call: the tool's result, if it did
+            results = self.toolbox.answer([(self._turns[r], tokens[r, : t + 1].tolist()) for r in closing])
+            for r, ids in zip(closing, results):
+                self._forced[r] = list(ids or [])
+        return broken
+
+
+def with_tool_turns(out, rows_turns: list[list[dict]], toolbox, decodable: int | None = None):
+    """A tool engine's batch: each row's calls (spans cut at its completion's end: the budget may cut a result) and
+    its texts the policy's own (the results' tokens left out)."""
+    out.tool_turns = []
+    for r, turns in enumerate(rows_turns):
+        completion = out.completion(r)
+        turns = [dict(t, end=min(t["end"], len(completion)), start=min(t["start"], len(completion))) for t in turns]
+        out.tool_turns.append(turns)
+        out.texts[r] = toolbox.policy_text(completion, turns, decodable)
+    return out
+
+
 # ----- the transformers engine on a GPU: a static KV cache, its decode step a CUDA graph
 
 

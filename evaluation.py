@@ -550,7 +550,9 @@ def run_evaluation(
     write_completions(logger, step, per_set, eval_sets)
     for eval_set in eval_sets:
         own = set_metrics(metrics, "eval/" if len(eval_sets) == 1 else f"eval/{eval_set.label}/")
-        common.CONSOLE.info(eval_console_line(None if args.eval_only else step, args.total_steps, eval_set, own))
+        line = eval_console_line(None if args.eval_only else step, args.total_steps, eval_set, own)
+        toolbox = getattr(engine, "toolbox", None)  # --tools: the answers could call them (docs/tools.md)
+        common.CONSOLE.info(line if toolbox is None else line.replace(", grader ", f", {toolbox.describe()}, grader ", 1))
         cut = own["eval/truncated_frac"]
         if cut > 0.5:
             fix = (

@@ -32,6 +32,7 @@ import torch
 
 import common
 import engines
+import tools
 import verifiers
 from verifiers import UserError
 
@@ -259,6 +260,7 @@ def fit_context(args, model_path: str, tokenizer, train_task, eval_sets):
     evaluation prompt that does not fit with its set's token budget (evaluation.EvalSet: its protocol's
     max_new_tokens) stops the run (an eval set is measured whole). Returns (the training task with the prompts kept,
     the engine's context: the longest prompt kept plus its budget, of training or of its eval set)."""
+    tools.check_tasks(args, [train_task, *(s.task for s in eval_sets)])  # --tools: a tool each task can use
     max_new_tokens, max_prompt_tokens = args.max_new_tokens, args.max_prompt_tokens
     context = model_context(model_path, args.max_position_embeddings)
     problem = context_problem(context, max_new_tokens, max_prompt_tokens)
@@ -791,8 +793,9 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
     engine's rows generated together (run.setup resolved 0). --hf-decode: the HF engine's loop (dynamic; static:
     StaticHFEngine, static-eager: the same without CUDA graphs)."""
     kind = args.engine
+    toolbox = tools.Toolbox(args.tools, args.max_tool_calls, tokenizer) if args.tools else None  # --tools
     if kind == "vllm" or (kind == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-        return engines.VLLMEngine.colocated(
+        engine = engines.VLLMEngine.colocated(
             model,
             tokenizer,
             resolve_model_path(model_path),
@@ -803,6 +806,8 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
             sleep_level=args.vllm_sleep_level,
             max_position_embeddings=args.max_position_embeddings,
         )
+        engine.toolbox = toolbox  # calls: stop at a closing tag, run the tool, go on from the token ids
+        return engine
     return_logps = engine_logps or args.rollout_is != "none"  # a correction needs the engine's log-probs
     on_gpu = on_one_gpu(model)
     copy_dtype = engine_copy_dtype(args, on_gpu)
@@ -820,6 +825,8 @@ def make_engine(args, model, tokenizer, model_path: str, max_model_len: int, eng
             why = "this model has sliding-window layers" if sliding else "this engine is not on a GPU in one process"
             raise UserError(f"--hf-decode {args.hf_decode} is the static loop on a GPU's copy: {why}; drop the flag")
         return engines.StaticHFEngine(model, tokenizer, **hf, cuda_graphs=args.hf_decode == "static")
+    if toolbox is not None:  # calls run inside the decode loop, their results forced into the rows
+        return engines.ToolHFEngine(model, tokenizer, toolbox, **hf)
     return engines.HFEngine(model, tokenizer, **hf)
 
 

@@ -128,6 +128,21 @@ def _truncate_jsonl_after_step(path: str, step: int) -> None:
 # ----- the rollouts file (--log-rollouts-every)
 
 
+def turns_of(rollout, tokenizer, r: int) -> dict:
+    """--tools: the row's turns (the policy's text and each result, in order) and its calls; else nothing."""
+    if rollout.tool_turns is None:
+        return {}
+    completion, turns, at, out = rollout.completion(r), rollout.tool_turns[r], 0, []
+    for t in turns:
+        out += [
+            {"policy": tokenizer.decode(completion[at : t["start"]])},
+            {"tool": tokenizer.decode(completion[t["start"] : t["end"]])},
+        ]
+        at = t["end"]
+    out.append({"policy": tokenizer.decode(completion[at:])})
+    return {"turns": out, "tool_calls": [{k: t[k] for k in ("tool", "call", "output", "ok")} for t in turns]}
+
+
 def write_rollouts(
     logger: common.RunLogger,
     step: int,
@@ -163,7 +178,8 @@ def write_rollouts(
                         "advantage": advantages[r],
                         "length": lengths[r],
                         "finish_reason": rollout.finish_reasons[r],
-                    },
+                    }
+                    | turns_of(rollout, tokenizer, r),
                     default=str,
                 ),
             )

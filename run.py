@@ -35,6 +35,7 @@ import common
 import engines
 import evaluation
 import models
+import tools
 import verifiers
 from verifiers import RunError, UserError
 
@@ -204,6 +205,13 @@ class Args:
         "--async-lag on the CPU: the producer's torch threads; the trainer keeps the rest of the cores (0: half; at lag 0, "
         "where the two take turns, each every core)",
     )
+    tools: list[str] = arg(
+        [],
+        "tools the model may call inside its answer (docs/tools.md): calculator (<calc>17*23</calc>), python "
+        "(<python>print(2**10)</python>, run in the code sandbox); the engine runs each call and forces its result in "
+        "as <output>...</output> tokens, out of the loss; none by default",
+    )
+    max_tool_calls: int = arg(4, "--tools: the calls run per completion (later ones stay plain text)")
     gradient_checkpointing: bool = arg(
         False, "recompute decoder-layer activations in backward: less memory, more compute (docs/precision.md)"
     )
@@ -308,6 +316,8 @@ ARG_CHECKS: list[tuple[str, Callable[..., bool], str]] = [
         "must be off or a whole number of optimizer updates >= 0 (0: through the producer, as the synchronous run)",
     ),
     ("rollout_threads", lambda v: v >= 0, "must be >= 0 (0: half the cores)"),
+    ("tools", lambda v: all(t in tools.TOOLS for t in v) and len(set(v)) == len(v), "must be calculator, python or both"),
+    ("max_tool_calls", lambda v: v >= 1, "must be >= 1 (tool calls run per completion)"),
     ("eval_every", lambda v: v >= 0, "must be >= 0 (0: only before and after training)"),
     ("eval_samples", lambda v: v >= 1, "must be >= 1 (samples per evaluation problem)"),
     ("eval_limit", lambda v: v >= 0, "must be >= 0 (0: every held-out problem)"),
@@ -341,6 +351,7 @@ def validate_args(args) -> None:
         if problem:
             raise UserError(problem)
     async_rollouts.check_args(args, under_torchrun())  # --async-lag: what it does not run, one line each
+    tools.check_args(args)  # --tools: the static loop refused, python's sandbox checked
     evaluation.protocols(args)  # every evaluation set's protocol can run (greedy with n > 1, a k > n, ...: one line)
 
 
@@ -616,6 +627,7 @@ FLAG_GROUPS = {
         "max_engine_logp_diff"
     ),
     "asynchronous rollouts (docs/async.md)": "async_lag rollout_device rollout_threads",
+    "tool calls (docs/tools.md)": "tools max_tool_calls",
     "memory and speed": "micro_batch_tokens logp_chunk_tokens gen_batch_size gradient_checkpointing compile",
     "run folder, checkpoints, resume, logging": (
         "exp_name output_dir run_name save_every keep_last resume config track wandb_project log_rollouts_every"

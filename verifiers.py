@@ -79,6 +79,10 @@ class RunError(Exception):
 # =============================================================================================
 
 ARITH_INSTRUCTION = "Give the final answer as a single number."
+ARITH_TOOLS_INSTRUCTION = (  # --dataset arith-tools: the tool's format stated (tools.py; with --tools calculator)
+    "You may use a calculator: write <calc>expression</calc> and its result follows as <output>result</output>. "
+    "Give the final answer as a single number."
+)
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CODE_INSTRUCTION = "Write the complete Python function in a single ```python code block."
 INSTRUCTIONS = {"arith": ARITH_INSTRUCTION, "math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION}
@@ -245,6 +249,13 @@ def _load_task(
             return Task("arith", "arith", held_out[:ARITH_EVAL_PROBLEMS], ARITH_INSTRUCTION)
         train = arith_problems(20_000, seed=seed, exclude={p["question"] for p in held_out})
         return Task("arith", "arith", train, ARITH_INSTRUCTION)
+    if name == "arith-tools":  # multi-digit arithmetic, the calculator's format in the instruction (docs/tools.md)
+        held_out = arith_problems(HOLDOUT, seed=ARITH_EVAL_SEED_OFFSET + seed, tiers=ARITH_TOOLS_TIERS)
+        if split == "eval":
+            return Task("arith-tools", "arith", held_out[:ARITH_EVAL_PROBLEMS], ARITH_TOOLS_INSTRUCTION)
+        exclude = {p["question"] for p in held_out}
+        train = arith_problems(20_000, seed=seed, exclude=exclude, tiers=ARITH_TOOLS_TIERS)
+        return Task("arith-tools", "arith", train, ARITH_TOOLS_INSTRUCTION)
     if name == "humaneval":
         if split == "train":
             raise UserError("humaneval is evaluation-only: train on mbpp or a local file and pass --eval-dataset humaneval")
@@ -309,8 +320,26 @@ def _arith_problem(rng: random.Random, tier: int) -> tuple[str, int]:
 ARITH_TIERS = 5
 
 
-def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """`n` arithmetic problems, tiers mixed uniformly so that group success rates vary; seeded."""
+def _arith_tools_problem(rng: random.Random, tier: int) -> tuple[str, int]:
+    if tier == 0:  # two digits times one
+        a, b = rng.randint(12, 99), rng.randint(3, 9)
+    elif tier == 1:  # two digits times two
+        a, b = rng.randint(12, 99), rng.randint(12, 99)
+    elif tier == 2:  # three digits times two
+        a, b = rng.randint(101, 999), rng.randint(12, 99)
+    else:  # three digits plus three
+        a, b = rng.randint(101, 999), rng.randint(101, 999)
+        return f"What is {a} + {b}?", a + b
+    return f"What is {a} * {b}?", a * b
+
+
+ARITH_TOOLS_TIERS = (_arith_tools_problem, 4)  # --dataset arith-tools: products the embedded model mostly misses
+
+
+def arith_problems(n: int, seed: int, exclude: set[str] | None = None, tiers=None) -> list[dict]:
+    """`n` arithmetic problems, tiers mixed uniformly so that group success rates vary; seeded. `tiers`: (a problem
+    maker, its tier count); the built-in arith's by default."""
+    make, n_tiers = tiers or (_arith_problem, ARITH_TIERS)
     rng = random.Random(seed)
     exclude = exclude or set()
     out, seen = [], set()
@@ -319,8 +348,8 @@ def arith_problems(n: int, seed: int, exclude: set[str] | None = None) -> list[d
         attempts += 1
         if attempts > 100 * n:
             break
-        tier = rng.randrange(ARITH_TIERS)
-        question, answer = _arith_problem(rng, tier)
+        tier = rng.randrange(n_tiers)
+        question, answer = make(rng, tier)
         if question in exclude or question in seen:
             continue
         seen.add(question)
@@ -404,7 +433,7 @@ HUB_DATASETS: dict[str, dict] = {
         path="evalplus/humanevalplus", config=None, train=None, eval="test", q="prompt", a="test", kind="code"
     ),
 }
-BUILTIN_DATASETS = ("arith", "humaneval")
+BUILTIN_DATASETS = ("arith", "arith-tools", "humaneval")
 
 
 ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "raw")

@@ -124,6 +124,7 @@ class SandboxResult:
     mode: str
     elapsed_s: float
     stderr_tail: str = ""
+    output: str = ""  # a "tool" job's program output (stdout and stderr, its first 4 KiB); other jobs: empty
 
     @property
     def reward(self) -> float | None:
@@ -1050,6 +1051,13 @@ def _tail(fd: int, limit: int) -> str:
         return ""
 
 
+def _head(fd: int, limit: int) -> str:
+    try:
+        return os.pread(fd, limit, 0).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def _anonymous_file(name: str) -> int:
     """A file with no name on any disk (memfd; an unlinked temporary file where there is none)."""
     try:
@@ -1084,9 +1092,9 @@ def _remove_folder(path: str) -> None:
 
 def run(job: dict, timeout: float, mode: str | None = None) -> SandboxResult:
     """Run one job in a fresh sandbox; at most one run per core at a time. A job (made by
-    `verifiers.code_job`): `mode` ("humaneval", "mbpp", "stdio"), `program` (the source), for HumanEval
-    `entry_point`, and `secret`, what only the judge may read (HumanEval: `test`, `prompt`, `prompt_helpers`;
-    MBPP: `tests`, `setup`; stdio: `inputs`, `outputs`)."""
+    `verifiers.code_job`, or tools.run_python): `mode` ("humaneval", "mbpp", "stdio", "tool"), `program` (the
+    source), for HumanEval `entry_point`, and `secret`, what only the judge may read (HumanEval: `test`, `prompt`,
+    `prompt_helpers`; MBPP: `tests`, `setup`; stdio: `inputs`, `outputs`; tool: nothing)."""
     mode = mode or sandbox_mode()
     if mode not in (*NAMESPACE_MODES, "fallback"):
         raise ValueError(f"code sandbox mode must be one of {(*NAMESPACE_MODES, 'fallback')}, got {mode!r}")
@@ -1417,6 +1425,7 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
             proc.wait()  # stage 0 has exited: this reaps the only process of the run that is our child
         status += _read_available(status_r, (1 << 16) - len(status)) if status_r >= 0 else b""
         stderr_tail = error or (_tail(outputs[1], 2000) if len(outputs) == 2 else "")
+        output = _head(outputs[0], 4096) if len(outputs) == 2 and job.get("mode") == "tool" else ""
         for fd in (status_r, *outputs):
             if fd >= 0:
                 os.close(fd)
@@ -1426,9 +1435,9 @@ def _run_sandbox_now(job: dict, timeout: float, mode: str, probe: bool = False) 
             _remove_folder(folder)
     elapsed = time.monotonic() - start
     if pass_token.encode() in status:
-        return SandboxResult("passed", mode, elapsed, stderr_tail)
+        return SandboxResult("passed", mode, elapsed, stderr_tail, output)
     if start_token.encode() in status:
-        return SandboxResult("failed" if exited else "timeout", mode, elapsed, stderr_tail)
+        return SandboxResult("failed" if exited else "timeout", mode, elapsed, stderr_tail, output)
     if not error and not exited:
         stderr_tail = (
             f"code sandbox: the run did not start within {START_TIMEOUT_S:.0f} s (its interpreter and judge were "

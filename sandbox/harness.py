@@ -31,6 +31,7 @@ ATTR_RDONLY, ATTR_NOSUID, ATTR_NODEV, ATTR_NOEXEC, AT_RECURSIVE = 1, 2, 4, 8, 0x
 SYS_MOUNT_SETATTR, SYS_CAPSET, SYS_CAPGET = 442, 126, 125
 DEVICES = ("null", "zero", "full", "random", "urandom")
 RUNNER_IN, RUNNER_OUT, MAX_DEPTH = 100, 101, 64
+TOOL_OUTPUT_BYTES = 4096  # what a tool call's program prints that comes back (sandbox.SandboxResult.output)
 RUN_DEADLINE_WAIT_S = 60.0  # a stdio case cut at the run's deadline: the judge waits for the trainer to end the run
 _libc = None
 
@@ -1110,6 +1111,40 @@ def judge_stdio(job, secret_fd, status_fd):
     return None if failed else secret["pass_token"]
 
 
+def judge_tool(job, secret_fd, status_fd):
+    """A tool call (tools.py's python): the program runs once as a fresh interpreter, stdin empty, its stdout and
+    stderr together in a nameless file, and the first TOOL_OUTPUT_BYTES of it go to this process's stdout (the
+    trainer's file). A program still running at the run's deadline is the trainer's to end (a timeout)."""
+    import subprocess
+
+    with os.fdopen(secret_fd, "rb") as f:
+        secret = json.loads(f.read())
+    os.write(status_fd, secret["start_token"].encode() + b"\n")
+    with open(os.path.join(job["work"], "solution.py"), "w", encoding="utf-8") as f:
+        f.write(job["program"])
+    out = os.memfd_create("tool-output") if hasattr(os, "memfd_create") else None
+    out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
+    with out:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
+            cwd=job["work"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, HOME=job["work"], TMPDIR=job["work"]),
+            preexec_fn=lambda: become_runner(job),
+        )
+        try:
+            proc.wait(timeout=job["timeout"] + RUN_DEADLINE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+        out.seek(0)
+        os.write(1, out.read(TOOL_OUTPUT_BYTES))
+    return secret["pass_token"] if proc.returncode == 0 else None
+
+
 def check_import_path(job):
     """Refuse to start (before the runner exists) unless nothing the judge imports can be the program's: every
     folder on the judge's sys.path is on a read-only mount and (root trainer) not owned by the program's uid (a
@@ -1166,7 +1201,8 @@ def main():
     if job["sandbox"] != "fallback":
         check_import_path(job)
     try:  # the pass token, returned by the judge only after the last test passed
-        passed = (judge_stdio if job["mode"] == "stdio" else judge_calls)(job, secret_fd, status_fd)
+        judge = {"stdio": judge_stdio, "tool": judge_tool}.get(job["mode"], judge_calls)
+        passed = judge(job, secret_fd, status_fd)
     except BaseException:
         import traceback
 

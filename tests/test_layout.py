@@ -51,7 +51,7 @@ LAYERS = [
 ]  # top down
 PRODUCT_LINES_MAX = 1600  # no product file longer: a new capability finds its room (or gets one)
 SETUP_LINES_MAX = 80  # a script's setup, from `def main` to its step loop: a short, visible list of calls
-STEP_LINES_MAX = 950  # lines of common.py's and engines.py's definitions a reader of one default CPU step reads
+STEP_LINES_MAX = 960  # lines of common.py's and engines.py's definitions a default CPU step reads (956: --tools' masks)
 MIDDLE_STEP = 2
 UNKNOWN = object()
 
