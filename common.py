@@ -390,7 +390,7 @@ def completion_mask_of(rollout: RolloutBatch, rows: Sequence[int] | None = None)
     """(len(rows), T_max) float mask of real completion tokens (every row by default)."""
     lengths = rollout.completion_lengths if rows is None else rollout.completion_lengths[list(rows)]  # (rows,)
     mask = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).float()
-    return mask if rollout.tool_turns is None else tools.masked(mask, rollout, rows)  # --tools: their tokens 0
+    return mask if getattr(rollout, "tool_turns", None) is None else tools.masked(mask, rollout, rows)  # --tools
 
 
 @torch.no_grad()
@@ -510,7 +510,7 @@ def token_batch_of(rollout, micro: Sequence[int], pad_id: int) -> TokenBatch:
     else:
         batch = pad_batch([rollout.prompt(r) for r in micro], [rollout.completion(r) for r in micro], pad_id)
     rows = [r for g in packs for r in g] if packs else micro  # the batch's rows in order
-    return batch if rollout.tool_turns is None else tools.without_tool_tokens(batch, rollout, rows)  # --tools
+    return batch if getattr(rollout, "tool_turns", None) is None else tools.without_tool_tokens(batch, rollout, rows)
 
 
 @dataclass
@@ -724,11 +724,12 @@ class RolloutCorrection:
         if rollout.has_engine_logps:  # row-major boolean indexing visits each row's tokens in packed order
             held = torch.zeros(mask.shape[0], dtype=torch.bool)
             held[rollout.rows] = True
-            every = torch.arange(mask.shape[1]) < rollout.completion_lengths[:, None]  # (B, T) --tools: theirs too
+            tooled = getattr(rollout, "tool_turns", None) is not None  # --tools: mu of their tokens too
+            every = torch.arange(mask.shape[1]) < rollout.completion_lengths[:, None] if tooled else mask.bool()  # (B, T)
             self.engine = torch.zeros_like(mask)
             self.engine[every & held.unsqueeze(1)] = rollout.engine_logps_flat().to(mask.dtype)
         self.sums = dict.fromkeys(self.SUMS, 0.0)
-        self.tool_metrics = tools.rollout_metrics(rollout) if rollout.tool_turns is not None else {}  # --tools: tools/
+        self.tool_metrics = tools.rollout_metrics(rollout) if getattr(rollout, "tool_turns", None) else {}  # tools/
         self.abs_max, self.seq_min, self.seq_max = 0.0, math.inf, -math.inf
 
     @property
@@ -1118,7 +1119,7 @@ class ShardedRollout:
                 f"rank {w.rank}: the engine returned {len(local)} rows for {len(self.rows)} ({len(groups)} groups x {n})"
             )
         mine = (self.rows, local.prompt_lengths.tolist(), local.completion_lengths.tolist(), list(local.finish_reasons))
-        mine += (local.tool_turns,)  # --tools: every row's calls (the masks of all rows need their spans)
+        mine += (getattr(local, "tool_turns", None),)  # --tools: every row's calls (the masks of all rows need their spans)
         prompt_len, completion_len = torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
         self.finish_reasons: list[str] = [""] * B
         self.tool_turns = [[] for _ in range(B)] if local.tool_turns is not None else None
