@@ -1069,6 +1069,27 @@ STDIO_BOOT = (
 )
 
 
+def output_file(job, name):
+    """A nameless file for a program's output (memfd; a file in the run's folder where there is none)."""
+    fd = os.memfd_create(name) if hasattr(os, "memfd_create") else None
+    return open(fd, "w+b") if fd is not None else open(os.path.join(job["work"], ".out"), "w+b")
+
+
+def start_program(job, stdin, out, stderr):
+    """solution.py as a fresh interpreter in the runner's identity (become_runner), its output into `out`."""
+    import subprocess
+
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
+        cwd=job["work"],
+        stdin=stdin,
+        stdout=out,
+        stderr=stderr,
+        env=dict(os.environ, HOME=job["work"], TMPDIR=job["work"]),
+        preexec_fn=lambda: become_runner(job),
+    )
+
+
 def judge_stdio(job, secret_fd, status_fd):
     """Each case runs the program as a fresh interpreter (nothing of the judge in its memory)."""
     import subprocess
@@ -1082,18 +1103,8 @@ def judge_stdio(job, secret_fd, status_fd):
     deadline = time.monotonic() + job["timeout"]
     failed = False  # every case runs whatever the earlier ones did: the program learns no verdict
     for stdin_text, expected in zip(secret["inputs"], secret["outputs"]):
-        out = os.memfd_create("case-output") if hasattr(os, "memfd_create") else None
-        out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
-        with out:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
-                cwd=job["work"],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.DEVNULL,
-                env=dict(os.environ, HOME=job["work"], TMPDIR=job["work"]),
-                preexec_fn=lambda: become_runner(job),
-            )
+        with output_file(job, "case-output") as out:
+            proc = start_program(job, subprocess.PIPE, out, subprocess.DEVNULL)
             left = deadline - time.monotonic()
             try:
                 proc.communicate(stdin_text.encode(), timeout=max(0.05, min(job["case_timeout"], left)))
@@ -1122,18 +1133,8 @@ def judge_tool(job, secret_fd, status_fd):
     os.write(status_fd, secret["start_token"].encode() + b"\n")
     with open(os.path.join(job["work"], "solution.py"), "w", encoding="utf-8") as f:
         f.write(job["program"])
-    out = os.memfd_create("tool-output") if hasattr(os, "memfd_create") else None
-    out = open(out, "w+b") if out is not None else open(os.path.join(job["work"], ".out"), "w+b")
-    with out:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", STDIO_BOOT, *job["site"]],
-            cwd=job["work"],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, HOME=job["work"], TMPDIR=job["work"]),
-            preexec_fn=lambda: become_runner(job),
-        )
+    with output_file(job, "tool-output") as out:
+        proc = start_program(job, subprocess.DEVNULL, out, subprocess.STDOUT)
         try:
             proc.wait(timeout=job["timeout"] + RUN_DEADLINE_WAIT_S)
         except subprocess.TimeoutExpired:
